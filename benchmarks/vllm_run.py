@@ -1,0 +1,106 @@
+"""Small helpers to run the toy pair through vLLM, shared by scripts and tests."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.paths import DRAFT, TARGET
+
+# Before vLLM starts: a small KV cache (vLLM on CPU reserves ~8 GiB by
+# default) and no hub access, ever.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def spec_config(k: int, draft: str = str(DRAFT)) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+def make_llm(k: int | None = None, adaptive: dict | None = None, **kwargs: Any):
+    """The toy target in vLLM; with `k`, draft-model speculation with cap K."""
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=str(TARGET),
+        max_model_len=1024,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=64,
+        disable_log_stats=False,
+    )
+    if k is not None:
+        args["speculative_config"] = spec_config(k)
+    if adaptive is not None:
+        args["additional_config"] = {"adaptive_spec": adaptive}
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def close_llm(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+@dataclass
+class SpecMetrics:
+    """vLLM's own spec-decode counters (cumulative since engine start)."""
+
+    drafts: int = 0  # target verification steps that carried drafts
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def __sub__(self, other: SpecMetrics) -> SpecMetrics:
+        per_pos = tuple(
+            a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
+            for i, a in enumerate(self.accepted_per_pos)
+        )
+        return SpecMetrics(
+            self.drafts - other.drafts,
+            self.draft_tokens - other.draft_tokens,
+            self.accepted - other.accepted,
+            per_pos,
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else float("nan")
+
+
+def spec_metrics(llm) -> SpecMetrics:
+    m = SpecMetrics()
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            m.drafts += metric.value
+        elif metric.name == "vllm:spec_decode_num_draft_tokens":
+            m.draft_tokens += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+            m.accepted += metric.value
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            m.accepted_per_pos = tuple(metric.values)
+    return m
+
+
+def greedy_params(max_tokens: int, **kwargs: Any):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def generate_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    outs = llm.generate(prompts, greedy_params(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def timed_generate(llm, prompts: list[str], max_tokens: int, batch: int) -> tuple[float, int]:
+    """Wall seconds and generated tokens for `prompts` sent `batch` at a time."""
+    params = greedy_params(max_tokens)
+    n_tokens, start = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+        n_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    return time.perf_counter() - start, n_tokens

@@ -1,0 +1,78 @@
+"""Shared fixtures. vLLM engines take ~30 s to start, so the end-to-end tests
+share three session-scoped engines on the bundled toy pair."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Must be set before vLLM is imported anywhere in the session.
+# (benchmarks.vllm_run sets the KV cache size and offline mode.)
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+TRACE_FILE = os.environ.setdefault(
+    "VLLM_ADAPTIVE_SPEC_TRACE_FILE", tempfile.NamedTemporaryFile(prefix="vas-trace-", delete=False).name
+)
+
+import pytest  # noqa: E402
+
+from benchmarks import vllm_run  # noqa: E402
+from benchmarks.paths import load_prompts  # noqa: E402
+from benchmarks.vllm_run import close_llm  # noqa: E402,F401
+
+K = 4
+N_PROMPTS = 20
+MAX_TOKENS = 64
+
+
+def make_llm(**kwargs):
+    return vllm_run.make_llm(max_num_seqs=16, **kwargs)
+
+
+def spec_config(k: int = K) -> dict:
+    return vllm_run.spec_config(k)
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[str]:
+    return load_prompts("code_heldout", N_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def ref_llm():
+    """The target alone: the reference every speculative output must equal."""
+    llm = make_llm()
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def spec_llm():
+    """vLLM's own draft-model speculation, plugin installed but not configured."""
+    llm = make_llm(speculative_config=spec_config())
+    yield llm
+    close_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def adaptive_llm():
+    """Draft-model speculation with the plugin switched on."""
+    llm = make_llm(speculative_config=spec_config(), additional_config={"adaptive_spec": {"policy": "fixed"}})
+    yield llm
+    close_llm(llm)
+
+
+def greedy(llm, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return vllm_run.generate_tokens(llm, prompts, max_tokens)
+
+
+def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            j = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            return f"prompt {i}: first difference at token {j}: {g[j : j + 5]} vs {w[j : j + 5]}"
+    return "lengths differ"
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(ref_llm, prompts) -> list[list[int]]:
+    return greedy(ref_llm, prompts)

@@ -1,0 +1,80 @@
+"""The plugin inside real vLLM (CPU build) on the bundled toy pair."""
+
+from __future__ import annotations
+
+import os
+import time
+from importlib.metadata import entry_points
+
+import pytest
+
+from tests.conftest import TRACE_FILE, make_llm, spec_config
+
+pytestmark = pytest.mark.e2e
+
+
+def _worker_view(worker):
+    """Runs inside each vLLM worker process (via collective_rpc)."""
+    from vllm_adaptive_spec.integration import plugin, runtime
+
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return {
+        "pid": os.getpid(),
+        "registered": plugin.is_registered(),
+        "active": runtime.active_policies(),
+        "drafter": None if drafter is None else f"{type(drafter).__module__}.{type(drafter).__qualname__}",
+    }
+
+
+def test_entry_point_is_discoverable():
+    eps = entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "vllm_adaptive_spec.integration.plugin:register" for ep in eps)
+
+
+def test_register_runs_in_every_vllm_process(spec_llm):
+    views = spec_llm.collective_rpc(_worker_view)
+    pids = {int(line.split()[0]) for line in open(TRACE_FILE) if line.strip()}
+    assert os.getpid() in pids, "front-end process"
+    assert all(v["registered"] for v in views)
+    assert {v["pid"] for v in views} <= pids, "every worker"
+    # front end, engine core and at least one worker per engine started so far
+    assert len(pids) >= 3
+
+
+def test_without_adaptive_spec_nothing_changes(spec_llm):
+    for view in spec_llm.collective_rpc(_worker_view):
+        assert view["active"] == []
+        assert view["drafter"] == "vllm.v1.spec_decode.draft_model.DraftModelProposer"
+
+
+def test_with_adaptive_spec_the_plugin_is_active(adaptive_llm):
+    for view in adaptive_llm.collective_rpc(_worker_view):
+        assert view["active"] == ["fixed"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (
+            {"speculative_config": spec_config(), "additional_config": {"adaptive_spec": {"policy": "nope"}}},
+            "adaptive_spec.policy: unknown policy 'nope'",
+        ),
+        (
+            {"speculative_config": spec_config(), "additional_config": {"adaptive_spec": {"polcy": "fixed"}}},
+            "adaptive_spec.polcy: unknown field",
+        ),
+        ({"additional_config": {"adaptive_spec": {"policy": "fixed"}}}, "speculative_config.method=None"),
+        (
+            {"speculative_config": spec_config(), "additional_config": {"adaptive_spec": "fixed"}},
+            "adaptive_spec: expected a mapping",
+        ),
+    ],
+)
+def test_bad_config_fails_at_startup_with_one_clear_error(kwargs, needle):
+    from vllm_adaptive_spec import ConfigError
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        make_llm(**kwargs)
+    assert needle in str(err.value)
+    assert time.monotonic() - start < 60

@@ -1,0 +1,106 @@
+"""Every place where the plugin touches vLLM, in install order, with its reason.
+
+Each hook wraps one vLLM method and calls the original first. For an engine
+whose `additional_config` has no `adaptive_spec` key a hook does nothing
+else, so vLLM behaves exactly as without the plugin.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError, parse_additional_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hook:
+    module: str  # where the owner class lives
+    owner: str  # class name
+    attr: str  # method wrapped
+    reason: str
+    wrap: Callable[[Callable], Callable]
+
+
+def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
+    """Validate the plugin's config against the engine's; None when the plugin is off."""
+    cfg = parse_additional_config(vllm_config.additional_config)
+    if cfg is None:
+        return None
+    spec = vllm_config.speculative_config
+    method = None if spec is None else spec.method
+    if method != "draft_model":
+        raise ConfigError(
+            f"adaptive_spec needs speculative_config with method 'draft_model' "
+            f"(its num_speculative_tokens is the cap K); got speculative_config.method={method!r}"
+        )
+    return cfg
+
+
+def _validate_at_engine_creation(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        cfg = check_engine_config(vllm_config)
+        if cfg is not None:
+            logger.info(
+                "vllm-adaptive-spec: policy=%s, cap K=%d",
+                cfg.policy,
+                vllm_config.speculative_config.num_speculative_tokens,
+            )
+        return vllm_config
+
+    return create_engine_config
+
+
+def _activate_in_model_runner(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        cfg = check_engine_config(vllm_config)
+        if cfg is not None:
+            from vllm_adaptive_spec.integration import runtime
+
+            runtime.activate(self, cfg)
+
+    return __init__
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(
+        "vllm.engine.arg_utils",
+        "EngineArgs",
+        "create_engine_config",
+        "validate adaptive_spec once, in the front-end process, so a bad value fails start-up "
+        "with one clear error instead of a traceback from a worker",
+        _validate_at_engine_creation,
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "__init__",
+        "switch the adaptive machinery on in the V1 model runner (the CPU runner subclasses it) "
+        "of engines that ask for it",
+        _activate_in_model_runner,
+    ),
+)
+
+_MARK = "__vllm_adaptive_spec_hook__"
+
+
+def install() -> None:
+    import importlib
+
+    for hook in HOOKS:
+        owner = getattr(importlib.import_module(hook.module), hook.owner)
+        original = getattr(owner, hook.attr)
+        if getattr(original, _MARK, False):
+            continue  # already installed in this process
+        wrapped = hook.wrap(original)
+        setattr(wrapped, _MARK, True)
+        setattr(owner, hook.attr, wrapped)

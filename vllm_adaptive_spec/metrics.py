@@ -1,0 +1,97 @@
+"""Speculative-decoding metrics with the exact definitions of ALGORITHMS.md.
+
+Counts per request, summed over a workload: N_gen generated tokens, N_T
+target verification steps, N_D draft tokens proposed, N_acc accepted. Also
+the greedy simulators used for the oracle: given whether the draft's greedy
+token matches the target's at each generated position (one teacher-forced
+draft pass over the target's greedy output), a fixed-K run and the oracle
+stop are fully determined.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecCounts:
+    n_gen: int = 0  # generated tokens
+    n_target: int = 0  # target verification steps
+    n_draft: int = 0  # draft tokens proposed
+    n_accepted: int = 0  # draft tokens accepted
+    accepted_hist: Counter = field(default_factory=Counter)  # accepted length per step -> steps
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K] steps whose draft j was accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:  # tau = N_gen / N_T
+        return self.n_gen / self.n_target if self.n_target else float("nan")
+
+    @property
+    def discard_rate(self) -> float:
+        return (self.n_draft - self.n_accepted) / self.n_gen if self.n_gen else float("nan")
+
+    @property
+    def verification_rate(self) -> float:
+        return self.n_target / self.n_gen if self.n_gen else float("nan")
+
+    def modeled_speedup(self, c: float, overhead: float = 0.0) -> float:
+        return modeled_speedup(self.n_gen, self.n_target, self.n_draft, c, overhead)
+
+    def add(self, other: SpecCounts) -> None:
+        self.n_gen += other.n_gen
+        self.n_target += other.n_target
+        self.n_draft += other.n_draft
+        self.n_accepted += other.n_accepted
+        self.accepted_hist.update(other.accepted_hist)
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        self.accepted_per_pos = [
+            (self.accepted_per_pos[j] if j < len(self.accepted_per_pos) else 0)
+            + (other.accepted_per_pos[j] if j < len(other.accepted_per_pos) else 0)
+            for j in range(width)
+        ]
+
+
+def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead: float = 0.0) -> float:
+    """S(c) = 1 / (N_T/N_gen + (N_D/N_gen)/c + o), SpecDec++ eq. 3.1.
+
+    `overhead` (o) is the stopping policy's own time per generated token in
+    units of one target step.
+    """
+    return 1.0 / (n_target / n_gen + (n_draft / n_gen) / c + overhead)
+
+
+def _run_length(match: list[bool], start: int) -> int:
+    n = 0
+    while start + n < len(match) and match[start + n]:
+        n += 1
+    return n
+
+
+def simulate_greedy(match: list[bool], k: int, oracle: bool = False) -> SpecCounts:
+    """Replay greedy speculative decoding over one request.
+
+    match[i] is True when the draft's greedy token equals the target's i-th
+    generated token, given the target's prefix. A step at position i drafts
+    K tokens (fixed) or exactly the agreeing run capped at K (oracle), accepts
+    min(run, K) and emits one target token more.
+    """
+    counts = SpecCounts(n_gen=len(match), accepted_per_pos=[0] * k)
+    i = 0
+    while i < len(match):
+        accepted = min(_run_length(match, i), k)
+        counts.n_target += 1
+        counts.n_draft += accepted if oracle else k
+        counts.n_accepted += accepted
+        counts.accepted_hist[accepted] += 1
+        for j in range(accepted):
+            counts.accepted_per_pos[j] += 1
+        i += accepted + 1
+    return counts
+
+
+def simulate_workload(matches: list[list[bool]], k: int, oracle: bool = False) -> SpecCounts:
+    total = SpecCounts(accepted_per_pos=[0] * k)
+    for match in matches:
+        total.add(simulate_greedy(match, k, oracle))
+    return total
