@@ -73,10 +73,14 @@ def main() -> None:
     ]
     reference = rows[0]["outputs"]
     base = rows[0]["tokens_per_s"]
-    print(f"\n{len(prompts)} held-out code prompts, greedy, max_tokens={args.max_tokens}, batch {args.batch}, "
-          f"median of {args.repeats}")
-    print(f"{'configuration':<30} {'tokens/s':>9} {'vs no spec':>10} {'accept len':>10} {'draft acc':>9} "
-          f"{'same output':>11}")
+    print(
+        f"\n{len(prompts)} held-out code prompts, greedy, max_tokens={args.max_tokens}, batch {args.batch}, "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"{'configuration':<30} {'tokens/s':>9} {'vs no spec':>10} {'accept len':>10} {'draft acc':>9} "
+        f"{'same output':>11}"
+    )
     for row in rows:
         row["same_as_reference"] = row["outputs"] == reference
         tau = row.get("mean_acceptance_length")
@@ -88,9 +92,14 @@ def main() -> None:
         )
         del row["outputs"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "env": env, "rows": rows},
-                                   indent=2) + "\n")
+    env = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+    }
+    args.out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "env": env, "rows": rows}, indent=2) + "\n"
+    )
     print(f"\nwrote {args.out.relative_to(REPO)}")
 
 

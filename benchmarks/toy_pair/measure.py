@@ -92,8 +92,10 @@ def timed_runs(prompts: list[str], max_tokens: int, ks: list[int], repeats: int)
         tps = statistics.median(r["n_gen"] / r["seconds"] for r in rows)
         per_k[k] = {
             "tokens_per_s": tps,
-            "tokens_per_s_spread": [min(r["n_gen"] / r["seconds"] for r in rows),
-                                    max(r["n_gen"] / r["seconds"] for r in rows)],
+            "tokens_per_s_spread": [
+                min(r["n_gen"] / r["seconds"] for r in rows),
+                max(r["n_gen"] / r["seconds"] for r in rows),
+            ],
             "speedup_vs_no_spec": tps / base_tps,
             "tau": rows[0]["n_gen"] / rows[0]["n_target"],
         }
@@ -141,16 +143,15 @@ def main() -> None:
     vllm_run.close_llm(llm)
     replay8 = simulate_workload(matches, 8)
 
-    timing = timed_runs(load_prompts("code_heldout", args.timing_prompts), args.max_tokens,
-                        [1, 2, 3, 4, 6, 8], args.repeats)
+    timing = timed_runs(
+        load_prompts("code_heldout", args.timing_prompts), args.max_tokens, [1, 2, 3, 4, 6, 8], args.repeats
+    )
     c = timing["c"]
 
     ks = list(range(1, 17))
     fixed = {k: summarize(simulate_workload(matches, k), c) for k in ks}
     oracle = {k: summarize(simulate_workload(matches, k, oracle=True), c) for k in ks}
-    best = {
-        name: max(ks, key=lambda k, n=name: fixed[k][n]) for name in ("speedup_measured_c", "speedup_c4")
-    }
+    best = {name: max(ks, key=lambda k, n=name: fixed[k][n]) for name in ("speedup_measured_c", "speedup_c4")}
     result = {
         "n_prompts": len(prompts),
         "max_tokens": args.max_tokens,
@@ -205,8 +206,10 @@ def render(r: dict) -> str:
     ]
     for k, row in t["per_k"].items():
         lo, hi = row["tokens_per_s_spread"]
-        lines.append(f"| {k} | {row['tokens_per_s']:.1f} | {lo:.1f}-{hi:.1f} | "
-                     f"{row['speedup_vs_no_spec']:.2f}x | {row['tau']:.2f} |")
+        lines.append(
+            f"| {k} | {row['tokens_per_s']:.1f} | {lo:.1f}-{hi:.1f} | "
+            f"{row['speedup_vs_no_spec']:.2f}x | {row['tau']:.2f} |"
+        )
     v, s = r["vllm_k8"], r["replay_k8"]
     lines += [
         "",
@@ -237,7 +240,8 @@ def render(r: dict) -> str:
         o = r["oracle"][k]
         lines.append(
             f"| {k} | {f['tau']:.2f} | {f['discard_rate']:.2f} | {f['speedup_measured_c']:.3f} | "
-            f"{f['speedup_c4']:.3f} | {o['tau']:.2f} | {o['speedup_measured_c']:.3f} | {o['speedup_c4']:.3f} |"
+            f"{f['speedup_c4']:.3f} | {o['tau']:.2f} | {o['speedup_measured_c']:.3f} | "
+            f"{o['speedup_c4']:.3f} |"
         )
     b = r["best_fixed_k"]
     g = r["oracle_gain"]

@@ -1,0 +1,14 @@
+"""Stopping policies, one module each, behind `base.StopPolicy`."""
+
+from vllm_adaptive_spec.policies.adaedl import AdaEdlPolicy
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy
+from vllm_adaptive_spec.policies.confidence import ConfidencePolicy
+from vllm_adaptive_spec.policies.fixed import FixedPolicy
+from vllm_adaptive_spec.policies.heuristic import HeuristicPolicy
+from vllm_adaptive_spec.policies.svip import SvipPolicy
+
+POLICY_CLASSES: dict[str, type[StopPolicy]] = {
+    cls.name: cls for cls in (FixedPolicy, SvipPolicy, AdaEdlPolicy, ConfidencePolicy, HeuristicPolicy)
+}
+
+__all__ = ["POLICY_CLASSES", "StepDecision", "StopPolicy", "entropy"]

@@ -1,0 +1,58 @@
+"""AdaEDL (Agrawal et al. 2024; from public re-implementations).
+
+Before keeping y_t: drop it and stop if 1 - sqrt(g * H_t) < lam, g = 0.2.
+lam adapts per request after each round from its acceptance rate:
+AR <- b1*AR + (1-b1)*n_acc/n_drafted; lam' = lam + eps if AR < a else
+lam - eps; lam <- b2*lam + (1-b2)*lam'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy, finite_rows
+
+
+class AdaEdlPolicy(StopPolicy):
+    name = "adaedl"
+
+    def __init__(
+        self,
+        lam: float = 0.5,
+        gamma: float = 0.2,
+        beta1: float = 0.5,
+        beta2: float = 0.9,
+        eps: float = 0.01,
+        target_ar: float = 0.9,
+    ):
+        self.lam0, self.gamma = lam, gamma
+        self.beta1, self.beta2, self.eps, self.target_ar = beta1, beta2, eps, target_ar
+        self._state: dict[str, tuple[float, float]] = {}  # req_id -> (lam, AR)
+        self._lams: torch.Tensor | None = None  # [B] this round's thresholds
+
+    def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
+        lams = [self._state.get(r, (self.lam0, 1.0))[0] for r in req_ids]
+        self._lams = torch.tensor(lams, dtype=torch.float32)
+        return [cap] * len(req_ids)
+
+    def decide(self, probs: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+        ok = finite_rows(probs)
+        lams = self._lams.to(probs.device)
+        bound = 1 - torch.sqrt(self.gamma * entropy(probs))  # [B]
+        drop = (bound < lams) | ~ok
+        return StepDecision(keep=~drop, stop=drop)
+
+    def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
+        for req_id, n_d, n_a in zip(req_ids, drafted, accepted):
+            lam, ar = self._state.get(req_id, (self.lam0, 1.0))
+            if n_d > 0:
+                ar = self.beta1 * ar + (1 - self.beta1) * n_a / n_d
+            step = self.eps if ar < self.target_ar else -self.eps
+            lam = self.beta2 * lam + (1 - self.beta2) * (lam + step)
+            self._state[req_id] = (lam, ar)
+
+    def forget(self, req_id: str) -> None:
+        self._state.pop(req_id, None)
+
+    def num_tracked(self) -> int:
+        return len(self._state)

@@ -1,0 +1,60 @@
+"""The one interface every stopping policy implements.
+
+A round (one target step) drafts at most K tokens per request. After draft
+token t (0-based) is sampled for every request still drafting, the policy
+sees the draft's distribution q_t and the sampled tokens and returns two
+masks: which rows keep y_t and which stop drafting after it. A row that does
+not keep y_t stops too. All decisions are tensor ops on the device: no host
+sync inside the draft loop.
+
+Per-request state that lives across rounds (AdaEDL's threshold, the
+heuristic's length) is keyed by request id, owned by the policy, and dropped
+with `forget` when the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepDecision:
+    keep: torch.Tensor  # [B] bool: y_t stays in the draft
+    stop: torch.Tensor  # [B] bool: no more draft tokens for this row this round
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """H = -sum q log q in nats. probs: [B, V] -> [B]."""
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+
+
+def finite_rows(probs: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] bool: rows free of NaN/inf (bad rows are treated as 'stop')."""
+    return torch.isfinite(probs).all(dim=-1)
+
+
+class StopPolicy:
+    """Base: the fixed policy's behaviour (draft the full cap, never stop early)."""
+
+    name = "fixed"
+
+    def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
+        """Upper bound on this round's draft length per request (<= cap)."""
+        return [cap] * len(req_ids)
+
+    def decide(self, probs: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+        """probs: [B, V] draft distribution that produced tokens: [B]."""
+        ok = finite_rows(probs)
+        return StepDecision(keep=ok, stop=~ok)
+
+    def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
+        """Feedback after verification: per request, tokens drafted and accepted."""
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or was preempted: drop its state."""
+
+    def num_tracked(self) -> int:
+        """Requests with live state (for leak checks)."""
+        return 0

@@ -1,0 +1,24 @@
+"""SVIP (seed 003, Alg. 1): stop once the draft is uncertain.
+
+After sampling y_t (which is kept), stop if sqrt(c_e * H_t) > h. Defaults
+from the paper's public code: c_e = 0.15, h = 0.3 (H_t > 0.6 nats).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy, finite_rows
+
+
+class SvipPolicy(StopPolicy):
+    name = "svip"
+
+    def __init__(self, threshold: float = 0.3, entropy_scale: float = 0.15):
+        self.threshold = threshold
+        self.entropy_scale = entropy_scale
+
+    def decide(self, probs: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+        ok = finite_rows(probs)
+        uncertain = torch.sqrt(self.entropy_scale * entropy(probs)) > self.threshold  # [B]
+        return StepDecision(keep=ok, stop=uncertain | ~ok)
