@@ -1,22 +1,21 @@
 """The plugin's one validated configuration object.
 
 Users pass it through vLLM's channel for plugins:
-`additional_config={"adaptive_spec": {"policy": "<name>", ...}}`. It is parsed
-once, at engine start-up, and every bad value raises `ConfigError` with a
-message naming the field and the value.
+`additional_config={"adaptive_spec": {"policy": "<name>", ...params}}`. It
+is parsed once, at engine start-up, and every bad value raises `ConfigError`
+with a message naming the field and the value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-CONFIG_KEY = "adaptive_spec"
+from vllm_adaptive_spec.policies import POLICY_CLASSES, StopPolicy
 
-# Stopping policies available in this release. "fixed" drafts the full K
-# every step, exactly as vLLM's own draft-model proposer does.
-POLICIES = ("fixed",)
+CONFIG_KEY = "adaptive_spec"
+POLICIES = tuple(POLICY_CLASSES)
 
 
 class ConfigError(ValueError):
@@ -26,23 +25,39 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class AdaptiveSpecConfig:
     policy: str = "fixed"
+    params: dict[str, Any] = field(default_factory=dict)  # the policy's constructor keywords
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
         if not isinstance(raw, Mapping):
-            raise ConfigError(f"{CONFIG_KEY}: expected a mapping such as {{'policy': 'fixed'}}, got {raw!r}")
-        known = {f.name for f in fields(cls)}
-        for key in raw:
-            if key not in known:
-                raise ConfigError(
-                    f"{CONFIG_KEY}.{key}: unknown field (value {raw[key]!r}); known fields: {sorted(known)}"
-                )
+            raise ConfigError(f"{CONFIG_KEY}: expected a mapping such as {{'policy': 'svip'}}, got {raw!r}")
         policy = raw.get("policy", cls.policy)
-        if not isinstance(policy, str) or policy not in POLICIES:
+        if not isinstance(policy, str) or policy not in POLICY_CLASSES:
             raise ConfigError(
                 f"{CONFIG_KEY}.policy: unknown policy {policy!r}; expected one of {list(POLICIES)}"
             )
-        return cls(policy=policy)
+        specs = POLICY_CLASSES[policy].PARAMS
+        params = {}
+        for key, value in raw.items():
+            if key == "policy":
+                continue
+            if key not in specs:
+                raise ConfigError(
+                    f"{CONFIG_KEY}.{key}: unknown field for policy {policy!r} (value {value!r}); "
+                    f"known fields: {['policy', *sorted(specs)]}"
+                )
+            error = specs[key].check(f"{CONFIG_KEY}.{key}", value)
+            if error:
+                raise ConfigError(error)
+            params[key] = value
+        return cls(policy=policy, params=params)
+
+    def build_policy(self) -> StopPolicy:
+        return POLICY_CLASSES[self.policy](**self.params)
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.policy == "fixed"
 
 
 def parse_additional_config(additional_config: Any) -> AdaptiveSpecConfig | None:

@@ -12,9 +12,21 @@ def test_absent_means_off(additional):
     assert parse_additional_config(additional) is None
 
 
+def test_policy_params_are_kept_and_build_the_policy():
+    cfg = parse_additional_config({"adaptive_spec": {"policy": "svip", "threshold": 0.5}})
+    assert cfg.params == {"threshold": 0.5}
+    assert cfg.build_policy().threshold == 0.5
+    assert (
+        parse_additional_config({"adaptive_spec": {"policy": "heuristic", "initial": 3}})
+        .build_policy()
+        .initial
+        == 3
+    )
+
+
 def test_fixed_policy():
-    assert parse_additional_config({"adaptive_spec": {"policy": "fixed"}}) == AdaptiveSpecConfig("fixed")
-    assert parse_additional_config({"adaptive_spec": {}}) == AdaptiveSpecConfig("fixed")
+    assert parse_additional_config({"adaptive_spec": {"policy": "fixed"}}) == AdaptiveSpecConfig("fixed", {})
+    assert parse_additional_config({"adaptive_spec": {}}) == AdaptiveSpecConfig("fixed", {})
 
 
 @pytest.mark.parametrize(
@@ -22,7 +34,15 @@ def test_fixed_policy():
     [
         ({"policy": "nope"}, "adaptive_spec.policy: unknown policy 'nope'"),
         ({"policy": 3}, "adaptive_spec.policy: unknown policy 3"),
-        ({"policy": "fixed", "thresh": 0.5}, "adaptive_spec.thresh: unknown field (value 0.5)"),
+        (
+            {"policy": "fixed", "thresh": 0.5},
+            "adaptive_spec.thresh: unknown field for policy 'fixed' (value 0.5)",
+        ),
+        ({"policy": "svip", "threshold": "high"}, "adaptive_spec.threshold: expected float, got 'high'"),
+        ({"policy": "svip", "threshold": -1.0}, "adaptive_spec.threshold: -1.0 is out of range"),
+        ({"policy": "confidence", "threshold": float("nan")}, "adaptive_spec.threshold: nan is out of range"),
+        ({"policy": "heuristic", "initial": 2.5}, "adaptive_spec.initial: expected int, got 2.5"),
+        ({"policy": "heuristic", "initial": True}, "adaptive_spec.initial: expected int, got True"),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],

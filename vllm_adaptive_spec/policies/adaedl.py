@@ -11,10 +11,19 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy, finite_rows
+from vllm_adaptive_spec.policies.params import Param
 
 
 class AdaEdlPolicy(StopPolicy):
     name = "adaedl"
+    PARAMS = {
+        "lam": Param(float, 0.0, 1.0),
+        "gamma": Param(float, 1e-6),
+        "beta1": Param(float, 0.0, 1.0),
+        "beta2": Param(float, 0.0, 1.0),
+        "eps": Param(float, 0.0, 1.0),
+        "target_ar": Param(float, 0.0, 1.0),
+    }
 
     def __init__(
         self,

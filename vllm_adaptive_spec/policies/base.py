@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_adaptive_spec.policies.params import Param
+
 
 @dataclass
 class StepDecision:
@@ -39,6 +41,7 @@ class StopPolicy:
     """Base: the fixed policy's behaviour (draft the full cap, never stop early)."""
 
     name = "fixed"
+    PARAMS: dict[str, Param] = {}  # constructor keyword -> allowed type and range
 
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
         """Upper bound on this round's draft length per request (<= cap)."""

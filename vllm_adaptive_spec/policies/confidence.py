@@ -8,10 +8,12 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
+from vllm_adaptive_spec.policies.params import Param
 
 
 class ConfidencePolicy(StopPolicy):
     name = "confidence"
+    PARAMS = {"threshold": Param(float, 0.0, 1.0)}
 
     def __init__(self, threshold: float = 0.4):
         self.threshold = threshold

@@ -7,10 +7,12 @@ accepted, else max(1, K - 1); capped at the engine's K.
 from __future__ import annotations
 
 from vllm_adaptive_spec.policies.base import StopPolicy
+from vllm_adaptive_spec.policies.params import Param
 
 
 class HeuristicPolicy(StopPolicy):
     name = "heuristic"
+    PARAMS = {"initial": Param(int, 1, 1024)}
 
     def __init__(self, initial: int = 4):
         self.initial = initial

@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy, finite_rows
+from vllm_adaptive_spec.policies.params import Param
 
 
 class SvipPolicy(StopPolicy):
     name = "svip"
+    PARAMS = {"threshold": Param(float, 0.0), "entropy_scale": Param(float, 1e-6)}
 
     def __init__(self, threshold: float = 0.3, entropy_scale: float = 0.15):
         self.threshold = threshold
