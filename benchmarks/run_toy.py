@@ -67,9 +67,7 @@ def main() -> None:
     rows = [
         run_config("no speculation", prompts, args),
         run_config(f"vLLM draft_model K={args.k}", prompts, args, k=args.k),
-        run_config(
-            f"plugin (policy fixed) K={args.k}", prompts, args, k=args.k, adaptive={"policy": "fixed"}
-        ),
+        run_config(f"plugin (policy fixed) K={args.k}", prompts, args, k=args.k, adaptive={"policy": "fixed"}),
     ]
     reference = rows[0]["outputs"]
     base = rows[0]["tokens_per_s"]

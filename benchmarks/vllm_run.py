@@ -91,8 +91,10 @@ def greedy_params(max_tokens: int, **kwargs: Any):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 
 
-def generate_tokens(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    outs = llm.generate(prompts, greedy_params(max_tokens), use_tqdm=False)
+def generate_tokens(llm, prompts: list[str], max_tokens: int | list[int]) -> list[list[int]]:
+    """Greedy tokens per prompt; `max_tokens` may differ per prompt."""
+    params = [greedy_params(m) for m in max_tokens] if isinstance(max_tokens, list) else greedy_params(max_tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

@@ -33,9 +33,7 @@ class AdaptiveSpecConfig:
             raise ConfigError(f"{CONFIG_KEY}: expected a mapping such as {{'policy': 'svip'}}, got {raw!r}")
         policy = raw.get("policy", cls.policy)
         if not isinstance(policy, str) or policy not in POLICY_CLASSES:
-            raise ConfigError(
-                f"{CONFIG_KEY}.policy: unknown policy {policy!r}; expected one of {list(POLICIES)}"
-            )
+            raise ConfigError(f"{CONFIG_KEY}.policy: unknown policy {policy!r}; expected one of {list(POLICIES)}")
         specs = POLICY_CLASSES[policy].PARAMS
         params = {}
         for key, value in raw.items():

@@ -22,6 +22,7 @@ class SpecCounts:
     n_accepted: int = 0  # draft tokens accepted
     accepted_hist: Counter = field(default_factory=Counter)  # accepted length per step -> steps
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] steps whose draft j was accepted
+    drafted_per_pos: list[int] = field(default_factory=list)  # [K] steps that drafted a token at j
 
     @property
     def mean_acceptance_length(self) -> float:  # tau = N_gen / N_T
@@ -44,12 +45,34 @@ class SpecCounts:
         self.n_draft += other.n_draft
         self.n_accepted += other.n_accepted
         self.accepted_hist.update(other.accepted_hist)
-        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        self.accepted_per_pos = [
-            (self.accepted_per_pos[j] if j < len(self.accepted_per_pos) else 0)
-            + (other.accepted_per_pos[j] if j < len(other.accepted_per_pos) else 0)
-            for j in range(width)
-        ]
+        self.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)
+        self.drafted_per_pos = _add_lists(self.drafted_per_pos, other.drafted_per_pos)
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        """One target step that verified `drafted` tokens and accepted `accepted`."""
+        self.n_target += 1
+        self.n_gen += accepted + 1
+        self.n_draft += drafted
+        self.n_accepted += accepted
+        self.accepted_hist[accepted] += 1
+        self.drafted_per_pos = _add_lists(self.drafted_per_pos, [1] * drafted)
+        self.accepted_per_pos = _add_lists(self.accepted_per_pos, [1] * accepted)
+
+    def as_dict(self) -> dict:
+        return {
+            "n_gen": self.n_gen,
+            "n_target": self.n_target,
+            "n_draft": self.n_draft,
+            "n_accepted": self.n_accepted,
+            "accepted_hist": dict(sorted(self.accepted_hist.items())),
+            "drafted_per_pos": list(self.drafted_per_pos),
+            "accepted_per_pos": list(self.accepted_per_pos),
+        }
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    width = max(len(a), len(b))
+    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(width)]
 
 
 def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead: float = 0.0) -> float:

@@ -176,9 +176,7 @@ def heldout_loss(model, windows: torch.Tensor, batch: int = 8) -> float:
     return total / count
 
 
-def train_loop(
-    model, loss_fn, steps: int, batch_iter, peak_lr: float, warmup: int, label: str, evaluate
-) -> list[dict]:
+def train_loop(model, loss_fn, steps: int, batch_iter, peak_lr: float, warmup: int, label: str, evaluate) -> list[dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     history = []
     t0 = time.time()

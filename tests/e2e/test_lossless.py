@@ -28,7 +28,5 @@ def test_speculation_actually_ran(adaptive_llm, prompts):
     greedy(adaptive_llm, prompts[:2])
     names = {m.name for m in adaptive_llm.get_metrics()}
     assert "vllm:spec_decode_num_draft_tokens" in names
-    drafted = sum(
-        m.value for m in adaptive_llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens"
-    )
+    drafted = sum(m.value for m in adaptive_llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
     assert drafted > 0

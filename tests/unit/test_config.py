@@ -16,12 +16,7 @@ def test_policy_params_are_kept_and_build_the_policy():
     cfg = parse_additional_config({"adaptive_spec": {"policy": "svip", "threshold": 0.5}})
     assert cfg.params == {"threshold": 0.5}
     assert cfg.build_policy().threshold == 0.5
-    assert (
-        parse_additional_config({"adaptive_spec": {"policy": "heuristic", "initial": 3}})
-        .build_policy()
-        .initial
-        == 3
-    )
+    assert parse_additional_config({"adaptive_spec": {"policy": "heuristic", "initial": 3}}).build_policy().initial == 3
 
 
 def test_fixed_policy():

@@ -49,10 +49,16 @@ def _validate_at_engine_creation(original: Callable) -> Callable:
         cfg = check_engine_config(vllm_config)
         if cfg is not None:
             logger.info(
-                "vllm-adaptive-spec: policy=%s, cap K=%d",
+                "vllm-adaptive-spec: policy=%s %s, cap K=%d",
                 cfg.policy,
+                cfg.params,
                 vllm_config.speculative_config.num_speculative_tokens,
             )
+            if vllm_config.scheduler_config.async_scheduling:
+                # Async scheduling reserves K draft slots per request before the
+                # drafts exist; per-request lengths cannot reach it.
+                vllm_config.scheduler_config.async_scheduling = False
+                logger.info("vllm-adaptive-spec: async scheduling turned off (drafts vary in length)")
         return vllm_config
 
     return create_engine_config

@@ -1,28 +1,59 @@
-"""Per-process record of the model runners the plugin switched on.
+"""Switches the adaptive proposer on in a model runner, and finds it again.
 
-This release ships the `fixed` policy only, which drafts K tokens every step
-exactly as vLLM's draft-model proposer does, so activation leaves the
-runner's drafter untouched and only records the policy. Adaptive policies
-replace the drafter here.
+The runner keeps its `drafter` attribute; we only replace the object behind
+it. Proposers are tracked here, per process, so the worker can report their
+statistics (see `worker_stats`).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig
 
 logger = logging.getLogger(__name__)
 
-_active: list[str] = []
+_proposers: weakref.WeakSet = weakref.WeakSet()
+_policies: list[str] = []
 
 
 def activate(runner: Any, cfg: AdaptiveSpecConfig) -> None:
-    _active.append(cfg.policy)
-    logger.info("vllm-adaptive-spec active in %s: policy=%s", type(runner).__name__, cfg.policy)
+    from vllm_adaptive_spec.integration.proposer import AdaptiveDraftProposer
+
+    _policies.append(cfg.policy)
+    if getattr(runner, "drafter", None) is None:
+        return  # not the rank that drafts (pipeline parallelism)
+    runner.drafter = AdaptiveDraftProposer(runner.vllm_config, runner.device, runner, cfg)
+    _proposers.add(runner.drafter)
+    logger.info(
+        "vllm-adaptive-spec: %s drafts with policy %s %s (cap K=%d)",
+        type(runner).__name__,
+        cfg.policy,
+        cfg.params,
+        runner.speculative_config.num_speculative_tokens,
+    )
 
 
 def active_policies() -> list[str]:
     """Policies switched on in this process's model runners (empty: plugin off)."""
-    return list(_active)
+    return list(_policies)
+
+
+def worker_stats() -> list[dict]:
+    """Snapshots of every adaptive proposer in this process."""
+    return [p.stats.snapshot() | {"policy": p.policy.name, "tracked": p.policy.num_tracked()} for p in _proposers]
+
+
+def _stats_rpc(worker: Any) -> list[dict]:
+    return worker_stats()
+
+
+def get_stats(llm: Any) -> list[dict]:
+    """Statistics from every worker of an offline `vllm.LLM` (one list per worker).
+
+    Uses `collective_rpc` with a function, which vLLM allows only with
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1.
+    """
+    return [s for per_worker in llm.collective_rpc(_stats_rpc) for s in per_worker]

@@ -1,0 +1,72 @@
+"""Every stopping policy inside vLLM: lossless greedy output, statistics, early exit."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.paths import load_prompts
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, spec_config
+
+pytestmark = pytest.mark.e2e
+
+CAP = 8
+N_LOSSLESS = 50
+# Mixed lengths in one batch: requests finish at different steps, and some
+# have fewer tokens left than the cap.
+MIXED_MAX_TOKENS = [(3, 17, 40, 64, 1)[i % 5] for i in range(N_LOSSLESS)]
+POLICIES = ["adaedl", "confidence", "fixed", "heuristic", "svip"]
+
+
+@pytest.fixture(scope="session")
+def lossless_prompts() -> list[str]:
+    return load_prompts("code_heldout", N_LOSSLESS)
+
+
+@pytest.fixture(scope="session")
+def lossless_reference(ref_llm, lossless_prompts) -> list[list[int]]:
+    return greedy(ref_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+
+
+@pytest.fixture(scope="module", params=POLICIES)
+def policy_llm(request):
+    llm = make_llm(speculative_config=spec_config(CAP), additional_config={"adaptive_spec": {"policy": request.param}})
+    yield request.param, llm
+    close_llm(llm)
+
+
+def _stats(llm) -> dict:
+    from vllm_adaptive_spec.integration.runtime import get_stats
+
+    (snapshot,) = get_stats(llm)
+    return snapshot
+
+
+def test_lossless_batched(policy_llm, lossless_prompts, lossless_reference):
+    _, llm = policy_llm
+    got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])  # up to 16 running at once
+    assert got == lossless_reference, first_mismatch(got, lossless_reference)
+
+
+def test_lossless_batch_of_one(policy_llm, lossless_prompts, lossless_reference):
+    _, llm = policy_llm
+    for i in range(0, 10):
+        got = greedy(llm, lossless_prompts[i : i + 1], MIXED_MAX_TOKENS[i])
+        assert got == lossless_reference[i : i + 1], f"prompt {i}: " + first_mismatch(got, lossless_reference[i:])
+
+
+def test_statistics_and_draft_lengths(policy_llm):
+    policy, llm = policy_llm
+    snap = _stats(llm)
+    work = snap["workload"]
+    assert snap["policy"] == policy
+    assert work["n_target"] > 0 and work["n_gen"] > work["n_target"]
+    assert work["n_accepted"] <= work["n_draft"]
+    lengths = snap["drafted_len_hist"]
+    assert max(int(k) for k in lengths) <= CAP
+    if policy == "fixed":
+        # all full-width, except requests with fewer than K tokens left
+        assert lengths.get(CAP, 0) > sum(v for k, v in lengths.items() if k != CAP)
+    else:
+        assert len(lengths) > 1, "an adaptive policy drafts varying lengths"
+    # finished requests leave no policy state behind
+    assert snap["tracked"] <= len(snap["requests"])

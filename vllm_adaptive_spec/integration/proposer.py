@@ -1,0 +1,226 @@
+"""The adaptive draft proposer: vLLM's draft-model proposer with per-request stopping.
+
+Each round the draft model first reads the newly verified tokens (vLLM's
+first pass, unchanged), then drafts one token per step for the whole batch.
+After every step the policy decides, per request, whether the new token is
+kept and whether drafting stops; the loop ends once no request is drafting,
+and each request's draft reaches the scheduler cut to its own length. KV
+cache, attention metadata and sampling all go through the vLLM helpers the
+base proposer uses; only the loop and its stopping are ours.
+
+Rows that stopped stay in the batch until the loop ends (their extra tokens
+are computed and dropped), so the batch shape never changes mid-round.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
+from vllm_adaptive_spec.policies import StopPolicy
+from vllm_adaptive_spec.stats import StatsBook
+
+logger = logging.getLogger(__name__)
+
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy requests (as in vLLM's sampler)
+
+
+def policy_probs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """The draft's distribution q_t after each request's temperature.
+
+    logits: [B, V]; temperature: [B] or None (all greedy) -> [B, V] float32.
+    Greedy requests use the softmax of the raw logits (ALGORITHMS.md).
+    """
+    logits = logits.float()
+    if temperature is None:
+        return torch.softmax(logits, dim=-1)
+    temp = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
+    return torch.softmax(logits / temp.float().unsqueeze(-1), dim=-1)
+
+
+class AdaptiveDraftProposer(DraftModelProposer):
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any, cfg: AdaptiveSpecConfig):
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        unsupported = {
+            "M-RoPE draft": self.uses_mrope,
+            "multimodal draft": self.supports_mm_inputs,
+            "heterogeneous vocabularies": self.use_heterogeneous_vocab,
+            "parallel drafting": self.parallel_drafting,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ConfigError(f"adaptive_spec.policy={cfg.policy!r} does not support {what} yet")
+        self.runner = runner
+        self.policy: StopPolicy = cfg.build_policy()
+        self.stats = StatsBook()
+        self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
+        self._verified_drafts: list[int] | None = None  # drafts each request had verified this step
+
+    # -- feedback from verification (called by the runner before propose) --
+
+    def prepare_next_token_ids_padded(self, *args, **kwargs):
+        next_token_ids, valid_counts = super().prepare_next_token_ids_padded(*args, **kwargs)
+        self._valid_counts = valid_counts
+        self._verified_drafts = None
+        return next_token_ids, valid_counts
+
+    def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count):
+        self._verified_drafts = list(spec_decode_metadata.num_draft_tokens)
+        return super().prepare_inputs_padded(common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count)
+
+    def _end_of_verification(self, req_ids: list[str]) -> list[int]:
+        """Feed last round's outcome to the policy and the stats; returns tokens generated per row."""
+        batch = len(req_ids)
+        generated = [1] * batch if self._valid_counts is None else self._valid_counts[:batch].tolist()
+        drafted = self._verified_drafts or [0] * batch
+        self.stats.record_verification(req_ids, drafted, generated)
+        decoding = [i for i, n in enumerate(generated) if n > 0 and drafted[i] > 0]
+        self.policy.end_round(
+            [req_ids[i] for i in decoding],
+            [drafted[i] for i in decoding],
+            [generated[i] - 1 for i in decoding],
+        )
+        for gone in [r for r in self.stats.live if r not in self.runner.requests]:
+            self.stats.finish(gone)
+            self.policy.forget(gone)
+        return generated
+
+    def _round_limits(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
+        """Per request: the policy's length bound, never past max_tokens or the model length."""
+        limits = self.policy.round_limits(req_ids, cap)
+        num_tokens = self.runner.input_batch.num_tokens_no_spec
+        for i, req_id in enumerate(req_ids):
+            state = self.runner.requests.get(req_id)
+            if state is None:
+                continue
+            room = self.max_model_len - int(num_tokens[i]) - 1
+            max_tokens = getattr(state.sampling_params, "max_tokens", None)
+            if max_tokens is not None:
+                room = min(room, max_tokens - len(state.output_token_ids) - generated[i] - 1)
+            limits[i] = max(0, min(limits[i], room))
+        return limits
+
+    # -- the draft loop --
+
+    def _forward(self, per_layer_md, num_input: int, mode, across_dp, slot_mapping, **model_inputs):
+        with set_forward_context(
+            per_layer_md,
+            self.vllm_config,
+            num_tokens=num_input,
+            num_tokens_across_dp=across_dp,
+            cudagraph_runtime_mode=mode,
+            slot_mapping=slot_mapping,
+        ):
+            out = self.model(**model_inputs)
+        return out[0] if self.model_returns_tuple() else out
+
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,  # [num_tokens]
+        target_positions: torch.Tensor,  # [num_tokens]
+        target_hidden_states: torch.Tensor,  # [num_tokens, hidden]
+        next_token_ids: torch.Tensor,  # [B]
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: Any,
+        sampling_metadata: Any,
+        mm_embed_inputs: Any = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,  # [B]
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        cap = num_speculative_tokens
+        self.num_speculative_tokens = cap
+        self._last_draft_probs = None
+        batch = common_attn_metadata.batch_size()
+        req_ids = list(self.runner.input_batch.req_ids[:batch])
+        generated = self._end_of_verification(req_ids)
+        limits = self._round_limits(req_ids, generated, cap)
+
+        # First pass: the draft reads the verified tokens; its last position per row drafts token 0.
+        num_tokens, sample_idx, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad)
+        mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_tokens)
+        model_inputs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input, None)
+        hidden = self._forward(
+            per_layer_md,
+            num_input,
+            mode,
+            across_dp,
+            self._get_slot_mapping(slot_size, cad.slot_mapping),
+            **model_inputs,
+        )
+        forwards = 1
+        if cap == 0 or max(limits) == 0:
+            self.stats.record_proposal([0] * batch, forwards)
+            return [[] for _ in range(batch)]
+
+        hidden = hidden[sample_idx]  # [B, hidden]
+        positions = self.positions[sample_idx]  # [B]
+        limit = torch.tensor(limits, device=hidden.device)  # [B]
+        active = limit > 0  # [B] rows still drafting
+        lengths = torch.zeros(batch, dtype=torch.long, device=hidden.device)  # [B] tokens kept
+        temperature = None if sampling_metadata.all_greedy else sampling_metadata.temperature
+        tokens_per_step: list[torch.Tensor] = []  # each [B]
+        probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
+
+        for t in range(cap):
+            if t > 0:
+                # One host sync per draft step: the price of ending the loop early.
+                if not bool(active.any()):
+                    break
+                if t == 1:
+                    mode, num_input, across_dp = self._enter_decode(cad, batch, num_rejected_tokens_gpu)
+                positions = self._update_positions_dependent_metadata(positions, cad, batch, num_input, self.block_size)
+                _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad, draft_index=t)
+                self.input_ids[:batch] = tokens_per_step[-1].int()
+                hidden = self._forward(
+                    per_layer_md,
+                    num_input,
+                    mode,
+                    across_dp,
+                    self._get_slot_mapping(num_input),
+                    input_ids=self.input_ids[:num_input],
+                    positions=self._get_positions(num_input),
+                    inputs_embeds=None,
+                )[:batch]
+                forwards += 1
+            logits = self.model.compute_logits(hidden)  # [B, V]
+            tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
+            decision = self.policy.decide(policy_probs(logits, temperature), tokens, t)
+            keep = active & decision.keep
+            lengths += keep
+            active = keep & ~decision.stop & (limit > t + 1)
+            tokens_per_step.append(tokens)
+            if draft_probs is not None:
+                probs_per_step.append(draft_probs)
+
+        if probs_per_step:
+            self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
+        drafts = torch.stack(tokens_per_step, dim=1).tolist()  # [B, T], one host copy per round
+        cut = lengths.tolist()
+        self.stats.record_proposal(cut, forwards)
+        return [row[:n] for row, n in zip(drafts, cut)]
+
+    def _enter_decode(self, cad: Any, batch: int, num_rejected_tokens_gpu: torch.Tensor | None):
+        """Switch the attention metadata from the first pass to one token per row."""
+        cad.num_actual_tokens = batch
+        cad.max_query_len = 1
+        cad.query_start_loc = self.arange[: batch + 1]
+        cad.query_start_loc_cpu = torch.from_numpy(self.token_arange_np[: batch + 1]).clone()
+        if num_rejected_tokens_gpu is not None:
+            # Padded batch: the first pass also covered rejected slots; drop them.
+            cad.seq_lens -= num_rejected_tokens_gpu
+        return self._determine_batch_execution_and_padding(batch)

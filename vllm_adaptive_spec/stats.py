@@ -1,0 +1,55 @@
+"""Per-request and per-workload statistics of adaptive speculation.
+
+Host-side bookkeeping, updated once per engine step (never per draft token).
+Counts follow ALGORITHMS.md: a target step of a request generates its
+accepted drafts plus one token of the target's own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm_adaptive_spec.metrics import SpecCounts
+
+
+@dataclass
+class StatsBook:
+    live: dict[str, SpecCounts] = field(default_factory=dict)  # running requests
+    finished: SpecCounts = field(default_factory=SpecCounts)  # sum over finished requests
+    n_finished: int = 0
+    forwards_per_step: Counter = field(default_factory=Counter)  # draft forward passes -> engine steps
+    drafted_len_hist: Counter = field(default_factory=Counter)  # proposed draft length -> rounds
+
+    def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
+        """One engine step: per request, drafts verified and tokens generated (0: not a decode step)."""
+        for req_id, n_d, n_g in zip(req_ids, drafted, generated):
+            if n_g <= 0:
+                continue
+            self.live.setdefault(req_id, SpecCounts()).record_step(drafted=n_d, accepted=n_g - 1)
+
+    def record_proposal(self, lengths: list[int], forwards: int) -> None:
+        self.forwards_per_step[forwards] += 1
+        self.drafted_len_hist.update(lengths)
+
+    def finish(self, req_id: str) -> None:
+        counts = self.live.pop(req_id, None)
+        if counts is not None:
+            self.finished.add(counts)
+            self.n_finished += 1
+
+    def workload(self) -> SpecCounts:
+        total = SpecCounts()
+        total.add(self.finished)
+        for counts in self.live.values():
+            total.add(counts)
+        return total
+
+    def snapshot(self) -> dict:
+        return {
+            "workload": self.workload().as_dict(),
+            "requests": {r: c.as_dict() for r, c in self.live.items()},
+            "n_finished": self.n_finished,
+            "forwards_per_step": dict(sorted(self.forwards_per_step.items())),
+            "drafted_len_hist": dict(sorted(self.drafted_len_hist.items())),
+        }
