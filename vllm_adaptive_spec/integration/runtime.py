@@ -20,9 +20,11 @@ _policies: list[str] = []
 
 
 def activate(runner: Any, cfg: AdaptiveSpecConfig) -> None:
+    from vllm_adaptive_spec.integration.fixes import apply_cpu_sampling_fix
     from vllm_adaptive_spec.integration.proposer import AdaptiveDraftProposer
 
     _policies.append(cfg.policy)
+    apply_cpu_sampling_fix()
     if getattr(runner, "drafter", None) is None:
         return  # not the rank that drafts (pipeline parallelism)
     runner.drafter = AdaptiveDraftProposer(runner.vllm_config, runner.device, runner, cfg)
