@@ -43,3 +43,11 @@ def test_workload_sums_and_speedup():
     # modeled speedup: no drafts, one step per token -> 1.0
     assert modeled_speedup(10, 10, 0, c=4) == pytest.approx(1.0)
     assert modeled_speedup(10, 5, 10, c=2) == pytest.approx(1 / (0.5 + 0.5))
+
+
+def test_draft_lengths_from_per_position_counts():
+    from vllm_adaptive_spec.integration.prometheus import lengths_from_per_pos
+
+    # three drafts of lengths 1, 3, 3 -> position counts [3, 2, 2, 0]
+    assert lengths_from_per_pos([3, 2, 2, 0]) == {1: 1, 3: 2}
+    assert lengths_from_per_pos([0, 0]) == {}
