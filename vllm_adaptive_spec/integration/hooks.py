@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,11 @@ def _validate_at_engine_creation(original: Callable) -> Callable:
                 cfg.params,
                 vllm_config.speculative_config.num_speculative_tokens,
             )
+            if vllm_config.use_v2_model_runner:
+                # The adaptive proposer plugs into the V1 model runner; the
+                # engine-core and worker processes started next inherit this.
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+                logger.info("vllm-adaptive-spec: using the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
             if vllm_config.scheduler_config.async_scheduling:
                 # Async scheduling reserves K draft slots per request before the
                 # drafts exist; per-request lengths cannot reach it.
