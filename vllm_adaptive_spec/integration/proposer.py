@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 import torch
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
@@ -56,6 +57,10 @@ class AdaptiveDraftProposer(DraftModelProposer):
             if present:
                 raise ConfigError(f"adaptive_spec.policy={cfg.policy!r} does not support {what} yet")
         self.runner = runner
+        # Ranks see the same gathered logits, so they decide alike; with tensor
+        # parallelism rank 0's decision is broadcast anyway, so a rounding
+        # difference can never make ranks run different numbers of forwards.
+        self._tp_group = get_tp_group() if vllm_config.parallel_config.tensor_parallel_size > 1 else None
         self.policy: StopPolicy = cfg.build_policy()
         self.stats = StatsBook()
         self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
@@ -203,6 +208,9 @@ class AdaptiveDraftProposer(DraftModelProposer):
             keep = active & decision.keep
             lengths += keep
             active = keep & ~decision.stop & (limit > t + 1)
+            if self._tp_group is not None:
+                both = self._tp_group.broadcast(torch.stack([active.long(), lengths]), src=0)  # [2, B]
+                active, lengths = both[0].bool(), both[1].clone()
             tokens_per_step.append(tokens)
             if draft_probs is not None:
                 probs_per_step.append(draft_probs)
