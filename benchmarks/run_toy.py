@@ -5,9 +5,9 @@ speculation and print tokens/s and acceptance.
     .venv/bin/python -m benchmarks.run_toy --k 8 --batch 4
 
 Configurations, each on its own engine, on the same held-out code prompts:
-no speculation; vLLM's draft-model speculation with fixed K; the same with the
-plugin switched on (`adaptive_spec`). Greedy outputs are checked against the
-no-speculation output. Figures are medians over repeats; the machine is
+no speculation; vLLM's draft-model speculation with fixed K; the plugin
+(`adaptive_spec`) with policy `fixed` and with policy `svip` (cap K). Greedy
+outputs are checked against the no-speculation output. Figures are medians over repeats; the machine is
 shared, so small differences are noise.
 """
 
@@ -54,7 +54,7 @@ def run_config(name: str, prompts: list[str], args, **engine) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (the cap K)")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens (the cap K)")
     ap.add_argument("--n-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1, help="prompts sent together")
@@ -67,7 +67,8 @@ def main() -> None:
     rows = [
         run_config("no speculation", prompts, args),
         run_config(f"vLLM draft_model K={args.k}", prompts, args, k=args.k),
-        run_config(f"plugin (policy fixed) K={args.k}", prompts, args, k=args.k, adaptive={"policy": "fixed"}),
+        run_config(f"plugin fixed K={args.k}", prompts, args, k=args.k, adaptive={"policy": "fixed"}),
+        run_config(f"plugin svip cap K={args.k}", prompts, args, k=args.k, adaptive={"policy": "svip"}),
     ]
     reference = rows[0]["outputs"]
     base = rows[0]["tokens_per_s"]
