@@ -25,7 +25,7 @@ MAX_TOKENS = 64
 
 
 def make_llm(**kwargs):
-    return vllm_run.make_llm(max_num_seqs=16, **kwargs)
+    return vllm_run.make_llm(**({"max_num_seqs": 16} | kwargs))
 
 
 def spec_config(k: int = K) -> dict:

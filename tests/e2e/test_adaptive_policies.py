@@ -70,3 +70,18 @@ def test_statistics_and_draft_lengths(policy_llm):
         assert len(lengths) > 1, "an adaptive policy drafts varying lengths"
     # finished requests leave no policy state behind
     assert snap["tracked"] <= len(snap["requests"])
+
+
+def test_batch_of_64_is_lossless(ref_llm):
+    """64 requests running at once (max_num_seqs=64) with an adaptive policy."""
+    prompts = load_prompts("code_heldout", 64)
+    max_tokens = [(5, 33, 48)[i % 3] for i in range(64)]
+    want = greedy(ref_llm, prompts, max_tokens)
+    llm = make_llm(
+        speculative_config=spec_config(CAP), additional_config={"adaptive_spec": {"policy": "svip"}}, max_num_seqs=64
+    )
+    try:
+        got = greedy(llm, prompts, max_tokens)
+    finally:
+        close_llm(llm)
+    assert got == want, first_mismatch(got, want)
