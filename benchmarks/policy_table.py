@@ -41,17 +41,17 @@ CONFIGS = [  # (label, cap K, adaptive_spec)
 
 def policy_cost_s(adaptive: dict, vocab: int, iters: int = 2000) -> float:
     """Seconds per draft step spent in the policy (probabilities + decision), batch 1."""
-    from vllm_adaptive_spec.integration.proposer import policy_probs
+    from vllm_adaptive_spec.integration.proposer import policy_logprobs
 
     policy = AdaptiveSpecConfig.from_dict(adaptive).build_policy()
     policy.round_limits(["r"], 16)
     logits = torch.randn(1, vocab)
     tokens = logits.argmax(-1)
     for _ in range(50):
-        policy.decide(policy_probs(logits, None), tokens, 0)
+        policy.decide(policy_logprobs(logits, None), tokens, 0)
     start = time.perf_counter()
     for _ in range(iters):
-        policy.decide(policy_probs(logits, None), tokens, 0)
+        policy.decide(policy_logprobs(logits, None), tokens, 0)
     return (time.perf_counter() - start) / iters
 
 

@@ -16,11 +16,17 @@ from vllm_adaptive_spec.policies.svip import SvipPolicy
 V = 8
 PEAKED = torch.tensor([0.97] + [0.03 / (V - 1)] * (V - 1))  # H ~ 0.16 nats
 FLAT = torch.full((V,), 1.0 / V)  # H = log 8 ~ 2.08 nats
-BAD = torch.full((V,), float("nan"))
 
 
 def batch(*rows):
-    return torch.stack(rows)  # [B, V]
+    return torch.log(torch.stack(rows))  # [B, V] log-probabilities
+
+
+def test_masked_tokens_are_fine():
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.0, 0.0]]))  # -inf for masked tokens
+    assert entropy(logp).item() == pytest.approx(math.log(2))
+    d = SvipPolicy(threshold=1.0).decide(logp, torch.tensor([0]), t=0)
+    assert d.keep.tolist() == [True] and d.stop.tolist() == [False]
 
 
 def test_entropy():
@@ -67,8 +73,13 @@ def test_heuristic_schedule():
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_CLASSES))
-def test_nan_rows_stop_without_crashing(name):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_inf_logits_stop_without_crashing(name, bad):
+    from vllm_adaptive_spec.integration.proposer import policy_logprobs
+
     p = POLICY_CLASSES[name]()
     p.round_limits(["a", "b"], cap=4)
-    d = p.decide(batch(PEAKED, BAD), torch.tensor([0, 0]), t=0)
+    logits = torch.stack([torch.log(PEAKED), torch.full((V,), bad)])  # [2, V]
+    d = p.decide(policy_logprobs(logits, None), torch.tensor([0, 0]), t=0)
     assert d.stop[1] and not d.keep[1]
+    assert not d.stop[0] or name in ("svip", "adaedl")  # the healthy row is untouched

@@ -31,17 +31,17 @@ logger = logging.getLogger(__name__)
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy requests (as in vLLM's sampler)
 
 
-def policy_probs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """The draft's distribution q_t after each request's temperature.
+def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """log q_t: the draft's log-distribution after each request's temperature.
 
     logits: [B, V]; temperature: [B] or None (all greedy) -> [B, V] float32.
-    Greedy requests use the softmax of the raw logits (ALGORITHMS.md).
+    Greedy requests use the raw logits (ALGORITHMS.md).
     """
     logits = logits.float()
-    if temperature is None:
-        return torch.softmax(logits, dim=-1)
-    temp = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
-    return torch.softmax(logits / temp.float().unsqueeze(-1), dim=-1)
+    if temperature is not None:
+        temp = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
+        logits = logits / temp.float().unsqueeze(-1)
+    return torch.log_softmax(logits, dim=-1)
 
 
 class AdaptiveDraftProposer(DraftModelProposer):
@@ -62,6 +62,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
         # difference can never make ranks run different numbers of forwards.
         self._tp_group = get_tp_group() if vllm_config.parallel_config.tensor_parallel_size > 1 else None
         self.policy: StopPolicy = cfg.build_policy()
+        self.policy.device = device
         self.stats = StatsBook()
         self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
         self._verified_drafts: list[int] | None = None  # drafts each request had verified this step
@@ -204,7 +205,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
                 forwards += 1
             logits = self.model.compute_logits(hidden)  # [B, V]
             tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
-            decision = self.policy.decide(policy_probs(logits, temperature), tokens, t)
+            decision = self.policy.decide(policy_logprobs(logits, temperature), tokens, t)
             keep = active & decision.keep
             lengths += keep
             active = keep & ~decision.stop & (limit > t + 1)

@@ -2,10 +2,12 @@
 
 A round (one target step) drafts at most K tokens per request. After draft
 token t (0-based) is sampled for every request still drafting, the policy
-sees the draft's distribution q_t and the sampled tokens and returns two
-masks: which rows keep y_t and which stop drafting after it. A row that does
-not keep y_t stops too. All decisions are tensor ops on the device: no host
-sync inside the draft loop.
+sees the draft's log-distribution log q_t and the sampled tokens and returns
+two masks: which rows keep y_t and which stop drafting after it. A row that
+does not keep y_t stops too. All decisions are tensor ops on the device: no
+host sync inside the draft loop. Rows with NaN/inf logits stop without
+keeping their token; each policy's comparisons are written so that a NaN
+score means "stop".
 
 Per-request state that lives across rounds (AdaEDL's threshold, the
 heuristic's length) is keyed by request id, owned by the policy, and dropped
@@ -27,14 +29,19 @@ class StepDecision:
     stop: torch.Tensor  # [B] bool: no more draft tokens for this row this round
 
 
-def entropy(probs: torch.Tensor) -> torch.Tensor:
-    """H = -sum q log q in nats. probs: [B, V] -> [B]."""
-    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+def entropy(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum q log q in nats, from log-probabilities. logp: [B, V] -> [B].
+
+    NaN in, NaN out; log q = -inf (masked tokens) contributes 0 (the clamp
+    keeps 0 * -inf from turning into NaN).
+    """
+    finite_logp = logp.clamp_min(torch.finfo(logp.dtype).min)
+    return -torch.linalg.vecdot(logp.exp(), finite_logp)
 
 
-def finite_rows(probs: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B] bool: rows free of NaN/inf (bad rows are treated as 'stop')."""
-    return torch.isfinite(probs).all(dim=-1)
+def finite_rows(logp: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] bool: False for rows holding NaN (log_softmax turns inf logits into NaN)."""
+    return torch.isfinite(logp.amax(dim=-1))
 
 
 class StopPolicy:
@@ -42,14 +49,15 @@ class StopPolicy:
 
     name = "fixed"
     PARAMS: dict[str, Param] = {}  # constructor keyword -> allowed type and range
+    device = torch.device("cpu")  # where per-round state tensors live; set by the proposer
 
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
         """Upper bound on this round's draft length per request (<= cap)."""
         return [cap] * len(req_ids)
 
-    def decide(self, probs: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
-        """probs: [B, V] draft distribution that produced tokens: [B]."""
-        ok = finite_rows(probs)
+    def decide(self, logp: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+        """logp: [B, V] log of the draft distribution that produced tokens: [B]."""
+        ok = finite_rows(logp)
         return StepDecision(keep=ok, stop=~ok)
 
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:

@@ -5,9 +5,11 @@ After sampling y_t (kept), stop if q_t(y_t) < threshold (default 0.4).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy
 from vllm_adaptive_spec.policies.params import Param
 
 
@@ -17,8 +19,9 @@ class ConfidencePolicy(StopPolicy):
 
     def __init__(self, threshold: float = 0.4):
         self.threshold = threshold
+        self._log_threshold = math.log(threshold) if threshold > 0 else -math.inf
 
-    def decide(self, probs: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
-        ok = finite_rows(probs)
-        q_tok = probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [B]
-        return StepDecision(keep=ok, stop=(q_tok < self.threshold) | ~ok)
+    def decide(self, logp: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+        logq = logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [B] log q_t(y_t), NaN for bad rows
+        sure = logq >= self._log_threshold  # NaN -> False -> stop
+        return StepDecision(keep=~torch.isnan(logq), stop=~sure)
