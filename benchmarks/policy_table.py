@@ -30,12 +30,19 @@ from vllm_adaptive_spec.metrics import modeled_speedup
 log = logging.getLogger("policy_table")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: collective_rpc with a function
 
-CONFIGS = [  # (label, cap K, adaptive_spec)
+CONFIGS = [  # (label, cap K, adaptive_spec): defaults first, then threshold sweeps
     ("fixed K=16", 16, {"policy": "fixed"}),
-    ("svip", 16, {"policy": "svip"}),
-    ("adaedl", 16, {"policy": "adaedl"}),
-    ("confidence", 16, {"policy": "confidence"}),
-    ("heuristic", 16, {"policy": "heuristic"}),
+    ("svip h=0.3 (default)", 16, {"policy": "svip"}),
+    ("svip h=0.5", 16, {"policy": "svip", "threshold": 0.5}),
+    ("svip h=0.7", 16, {"policy": "svip", "threshold": 0.7}),
+    ("svip h=0.9", 16, {"policy": "svip", "threshold": 0.9}),
+    ("adaedl (default)", 16, {"policy": "adaedl"}),
+    ("adaedl a=0.5", 16, {"policy": "adaedl", "target_ar": 0.5}),
+    ("adaedl lam=0.2 a=0.5", 16, {"policy": "adaedl", "lam": 0.2, "target_ar": 0.5}),
+    ("adaedl lam=0.2 a=0.3", 16, {"policy": "adaedl", "lam": 0.2, "target_ar": 0.3}),
+    ("confidence 0.4 (default)", 16, {"policy": "confidence"}),
+    ("confidence 0.2", 16, {"policy": "confidence", "threshold": 0.2}),
+    ("heuristic (default)", 16, {"policy": "heuristic"}),
 ]
 
 
