@@ -85,3 +85,14 @@ def test_batch_of_64_is_lossless(ref_llm):
     finally:
         close_llm(llm)
     assert got == want, first_mismatch(got, want)
+
+
+def test_never_drafts_past_max_tokens(policy_llm, lossless_prompts):
+    """With 3 tokens to generate, the prefill gives one and at most 2 remain:
+    a draft longer than 1 could only be discarded."""
+    _, llm = policy_llm
+    before = _stats(llm)["drafted_len_hist"]
+    greedy(llm, lossless_prompts[:4], 3)
+    after = _stats(llm)["drafted_len_hist"]
+    new_lengths = {int(k) for k, v in after.items() if v > before.get(k, 0)}
+    assert new_lengths and max(new_lengths) <= 1, new_lengths
