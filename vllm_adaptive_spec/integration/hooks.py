@@ -3,6 +3,16 @@
 Each hook wraps one vLLM method and calls the original first. For an engine
 whose `additional_config` has no `adaptive_spec` key a hook does nothing
 else, so vLLM behaves exactly as without the plugin.
+
+For engines with `adaptive_spec` the second hook calls `runtime.activate`,
+which does the only other two things the plugin changes, in this order:
+1. `fixes.apply_cpu_sampling_fix`: on CPU with vLLM 0.32.0, rebinds
+   `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (vLLM issue
+   55005: its CPU fallback returns uninitialised values);
+2. replaces the runner's `drafter` with `proposer.AdaptiveDraftProposer`, a
+   subclass of vLLM's `DraftModelProposer` with our draft loop.
+Separately, `prometheus.AdaptiveSpecStatLogger` is a stat-logger plugin (a
+vLLM extension point, not a patch) that exports nothing for other engines.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class AdaptiveDraftProposer(DraftModelProposer):
             state = self.runner.requests.get(req_id)
             if state is None:
                 continue
-            room = self.max_model_len - int(num_tokens[i]) - 1
+            # The runner records this step's `generated` tokens after drafting.
+            room = self.max_model_len - int(num_tokens[i]) - generated[i] - 1
             max_tokens = getattr(state.sampling_params, "max_tokens", None)
             if max_tokens is not None:
                 room = min(room, max_tokens - len(state.output_token_ids) - generated[i] - 1)
