@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--only", nargs="*", help="run only configurations whose label contains one of these")
+    ap.add_argument("--extra", type=json.loads, default=[], help='more configs: [["label", K, {...}], ...]')
+    ap.add_argument("--name", default="policy_table", help="output file stem")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     measured = json.loads((MODELS / "measurements.json").read_text())["timing"]
@@ -101,8 +104,11 @@ def main() -> None:
     )
     vllm_run.close_llm(base)
 
+    # the first row is the reference of the relative columns: keep fixed K=16 first
+    configs = [c for c in CONFIGS if not args.only or any(o in c[0] for o in args.only)]
+    configs += [tuple(c) for c in args.extra]
     rows = []
-    for label, k, adaptive in CONFIGS:
+    for label, k, adaptive in configs:
         row = run(label, k, adaptive, prompts, args)
         cost = policy_cost_s(adaptive, vocab) if adaptive["policy"] != "fixed" else 0.0
         # o: the policy's time per generated token, in units of one target step
@@ -139,9 +145,9 @@ def main() -> None:
             f"| {r['tokens_per_s']:.1f} | {r['wall_vs_no_spec']:.2f}x |"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "policy_table.json").write_text(json.dumps({"c": c, "no_spec_tokens_per_s": base_tps,
+    (args.out / f"{args.name}.json").write_text(json.dumps({"c": c, "no_spec_tokens_per_s": base_tps,
                                                             "rows": rows}, indent=2) + "\n")  # fmt: skip
-    (args.out / "policy_table.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
