@@ -68,12 +68,8 @@ def run(label: str, k: int, adaptive: dict, prompts: list[str], args) -> dict:
     from vllm_adaptive_spec.integration.runtime import get_stats
 
     llm = vllm_run.make_llm(k=k, adaptive=adaptive)
-    vllm_run.timed_generate(llm, prompts[:2], args.max_tokens, batch=1)  # warm-up
     (before,) = get_stats(llm)
-    rates = []
-    for _ in range(args.repeats):
-        seconds, n_gen = vllm_run.timed_generate(llm, prompts, args.max_tokens, batch=1)
-        rates.append(n_gen / seconds)
+    rates = vllm_run.repeated_rates(llm, prompts, args.max_tokens, 1, args.repeats)
     (after,) = get_stats(llm)
     vllm_run.close_llm(llm)
     w0, w1 = before["workload"], after["workload"]
@@ -98,10 +94,7 @@ def main() -> None:
     vocab = json.loads((MODELS / "toy-target" / "config.json").read_text())["vocab_size"]
     prompts = load_prompts("code_heldout", args.n_prompts)
     base = vllm_run.make_llm()
-    vllm_run.timed_generate(base, prompts[:2], args.max_tokens, batch=1)
-    base_tps = statistics.median(
-        n / s for s, n in (vllm_run.timed_generate(base, prompts, args.max_tokens, 1) for _ in range(args.repeats))
-    )
+    base_tps = statistics.median(vllm_run.repeated_rates(base, prompts, args.max_tokens, 1, args.repeats))
     vllm_run.close_llm(base)
 
     # the first row is the reference of the relative columns: keep fixed K=16 first

@@ -30,10 +30,7 @@ def run_config(name: str, prompts: list[str], args, **engine) -> dict:
     llm = vllm_run.make_llm(**engine)
     outputs = vllm_run.generate_tokens(llm, prompts, args.max_tokens)  # also warms up
     before = vllm_run.spec_metrics(llm)
-    rates = []
-    for _ in range(args.repeats):
-        seconds, n_gen = vllm_run.timed_generate(llm, prompts, args.max_tokens, args.batch)
-        rates.append(n_gen / seconds)
+    rates = vllm_run.repeated_rates(llm, prompts, args.max_tokens, args.batch, args.repeats)
     spec = vllm_run.spec_metrics(llm) - before
     vllm_run.close_llm(llm)
     row = {
@@ -99,7 +96,7 @@ def main() -> None:
     args.out.write_text(
         json.dumps({"args": vars(args) | {"out": str(args.out)}, "env": env, "rows": rows}, indent=2) + "\n"
     )
-    print(f"\nwrote {args.out.relative_to(REPO)}")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

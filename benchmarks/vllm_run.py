@@ -98,6 +98,12 @@ def generate_tokens(llm, prompts: list[str], max_tokens: int | list[int]) -> lis
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def repeated_rates(llm, prompts: list[str], max_tokens: int, batch: int, repeats: int) -> list[float]:
+    """Tokens/s of `repeats` timed runs, after a short warm-up."""
+    timed_generate(llm, prompts[:2], max_tokens, batch)
+    return [n / s for s, n in (timed_generate(llm, prompts, max_tokens, batch) for _ in range(repeats))]
+
+
 def timed_generate(llm, prompts: list[str], max_tokens: int, batch: int) -> tuple[float, int]:
     """Wall seconds and generated tokens for `prompts` sent `batch` at a time."""
     params = greedy_params(max_tokens)

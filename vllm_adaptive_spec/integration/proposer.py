@@ -219,10 +219,10 @@ class AdaptiveDraftProposer(DraftModelProposer):
 
         if probs_per_step:
             self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
-        drafts = torch.stack(tokens_per_step, dim=1).tolist()  # [B, T], one host copy per round
-        cut = lengths.tolist()
-        self.stats.record_proposal(cut, forwards)
-        return [row[:n] for row, n in zip(drafts, cut)]
+        # [B, 1 + T]: length, then drafts; one host copy per round
+        rows = torch.cat([lengths.unsqueeze(1), torch.stack(tokens_per_step, dim=1).long()], dim=1).tolist()
+        self.stats.record_proposal([row[0] for row in rows], forwards)
+        return [row[1 : 1 + row[0]] for row in rows]
 
     def _enter_decode(self, cad: Any, batch: int, num_rejected_tokens_gpu: torch.Tensor | None):
         """Switch the attention metadata from the first pass to one token per row."""
