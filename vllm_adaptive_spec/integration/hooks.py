@@ -93,6 +93,18 @@ def _activate_in_model_runner(original: Callable) -> Callable:
     return __init__
 
 
+def _release_finished_requests(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        release = getattr(getattr(self, "drafter", None), "release_requests", None)  # only our proposer has it
+        if release is not None:
+            release(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
+        return result
+
+    return _update_states
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         "vllm.engine.arg_utils",
@@ -109,6 +121,14 @@ HOOKS: tuple[Hook, ...] = (
         "switch the adaptive machinery on in the V1 model runner (the CPU runner subclasses it) "
         "of engines that ask for it",
         _activate_in_model_runner,
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "_update_states",
+        "drop a request's policy state and close its statistics in the engine step that ends or "
+        "preempts it (vLLM hands the ids to the runner there, and nowhere the drafter sees them)",
+        _release_finished_requests,
     ),
 )
 

@@ -91,10 +91,16 @@ class AdaptiveDraftProposer(DraftModelProposer):
             [drafted[i] for i in decoding],
             [generated[i] - 1 for i in decoding],
         )
-        for gone in [r for r in self.stats.live if r not in self.runner.requests]:
-            self.stats.finish(gone)
-            self.policy.forget(gone)
         return generated
+
+    def release_requests(self, finished: Any, preempted: Any) -> None:
+        """Called by the runner's state update (hooks.py): finished requests close
+        their statistics; finished and preempted ones lose their policy state."""
+        for req_id in finished:
+            self.stats.finish(req_id)
+            self.policy.forget(req_id)
+        for req_id in preempted:
+            self.policy.forget(req_id)
 
     def _round_limits(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
         """Per request: the policy's length bound, never past max_tokens or the model length."""
@@ -206,7 +212,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
                 forwards += 1
             logits = self.model.compute_logits(hidden)  # [B, V]
             tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
-            decision = self.policy.decide(policy_logprobs(logits, temperature), tokens, t)
+            decision = self.policy.decide(policy_logprobs(logits, temperature), tokens, t, hidden)
             keep = active & decision.keep
             lengths += keep
             active = keep & ~decision.stop & (limit > t + 1)

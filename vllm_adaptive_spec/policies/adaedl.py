@@ -46,7 +46,9 @@ class AdaEdlPolicy(StopPolicy):
         self._max_entropy = torch.tensor(bounds, dtype=torch.float32, device=self.device)
         return [cap] * len(req_ids)
 
-    def decide(self, logp: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+    def decide(
+        self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
+    ) -> StepDecision:
         keep = entropy(logp) <= self._max_entropy  # [B]; NaN -> False -> drop and stop
         return StepDecision(keep=keep, stop=~keep)
 

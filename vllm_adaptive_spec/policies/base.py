@@ -2,9 +2,11 @@
 
 A round (one target step) drafts at most K tokens per request. After draft
 token t (0-based) is sampled for every request still drafting, the policy
-sees the draft's log-distribution log q_t and the sampled tokens and returns
-two masks: which rows keep y_t and which stop drafting after it. A row that
-does not keep y_t stops too. All decisions are tensor ops on the device: no
+sees the draft's log-distribution log q_t, the sampled tokens and the draft's
+final hidden state that produced them (the position consuming draft token
+t-1, or the last verified token when t = 0) and returns two masks: which
+rows keep y_t and which stop drafting after it. A row that does not keep y_t
+stops too. All decisions are tensor ops on the device: no
 host sync inside the draft loop. Rows with NaN/inf logits stop without
 keeping their token; each policy's comparisons are written so that a NaN
 score means "stop".
@@ -55,8 +57,11 @@ class StopPolicy:
         """Upper bound on this round's draft length per request (<= cap)."""
         return [cap] * len(req_ids)
 
-    def decide(self, logp: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
-        """logp: [B, V] log of the draft distribution that produced tokens: [B]."""
+    def decide(
+        self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
+    ) -> StepDecision:
+        """logp: [B, V] log of the draft distribution that produced tokens: [B];
+        hidden: [B, H] the draft's final hidden state that produced logp."""
         ok = finite_rows(logp)
         return StepDecision(keep=ok, stop=~ok)
 

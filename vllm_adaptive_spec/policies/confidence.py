@@ -21,7 +21,9 @@ class ConfidencePolicy(StopPolicy):
         self.threshold = threshold
         self._log_threshold = math.log(threshold) if threshold > 0 else -math.inf
 
-    def decide(self, logp: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+    def decide(
+        self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
+    ) -> StepDecision:
         logq = logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [B] log q_t(y_t), NaN for bad rows
         sure = logq >= self._log_threshold  # NaN -> False -> stop
         return StepDecision(keep=~torch.isnan(logq), stop=~sure)

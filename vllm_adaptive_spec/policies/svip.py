@@ -22,7 +22,9 @@ class SvipPolicy(StopPolicy):
         # sqrt(c_e * H) > h  <=>  H > h^2 / c_e: one comparison per step
         self._max_entropy = threshold**2 / entropy_scale
 
-    def decide(self, logp: torch.Tensor, tokens: torch.Tensor, t: int) -> StepDecision:
+    def decide(
+        self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
+    ) -> StepDecision:
         h = entropy(logp)  # [B], NaN for bad rows
         calm = h <= self._max_entropy  # NaN -> False -> stop
         return StepDecision(keep=~torch.isnan(h), stop=~calm)
