@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m benchmarks.run_toy "$@"
+exec .venv/bin/python -m benchmarks.harness "$@"

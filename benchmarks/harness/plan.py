@@ -1,0 +1,158 @@
+"""What the harness runs: configurations, workloads and the cells they run on.
+
+A *configuration* is one speculation setup (its own process, its own engine).
+A *cell* is one slice of work: a prompt family, a batch size, a temperature,
+how many prompts and tokens, how many timed repeats. Two kinds of cells:
+- timed cells (every batch size, greedy and sampled) give wall-clock
+  tokens/s, medians over repeats; only the headline configurations run them;
+- count cells (greedy, large batch, one pass over more prompts) give the
+  hardware-independent counts (tau, discard and verification rate) for every
+  configuration, threshold sweeps included, and the lossless check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.paths import REPO
+
+WORKLOADS = ("code_heldout", "prose_heldout")
+FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
+CAP = 16  # cap K of every adaptive policy
+# vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
+DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
+SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str  # nospec | vllm | plugin | hf | oracle
+    family: str  # plot series: "fixed K", "svip", ...
+    k: int = 0  # cap K (vllm, plugin); HF's initial K
+    adaptive: dict | None = None  # adaptive_spec value (plugin)
+    dynamic: list | None = None  # vLLM num_speculative_tokens_per_batch_size
+    hf: dict | None = None  # {"mode": "heuristic"|"confidence", "value": ...}
+    sweep: float | None = None  # the swept value, for plots
+    timed: bool = False  # runs the timed cells too
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    batch: int
+    temperature: float
+    n_prompts: int
+    max_tokens: int
+    repeats: int
+    timed: bool
+
+    @property
+    def key(self) -> str:
+        kind = "timed" if self.timed else "count"
+        return f"{kind}/{self.workload}/b{self.batch}/t{self.temperature:g}"
+
+
+@dataclass
+class Plan:
+    configs: list[Config]
+    cells: list[Cell]
+    oracle_ks: tuple[int, ...] = tuple(range(1, 17))
+    notes: list[str] = field(default_factory=list)
+
+    def cells_for(self, config: Config) -> list[Cell]:
+        if config.kind == "hf":  # batch 1, greedy: what HF assisted generation supports
+            return [c for c in self.cells if c.batch == 1 and c.temperature == 0.0 and c.timed]
+        return [c for c in self.cells if config.timed or not c.timed]
+
+
+def _plugin(name: str, family: str, adaptive: dict, sweep: float | None = None, timed: bool = False) -> Config:
+    return Config(name, "plugin", family, CAP, adaptive, sweep=sweep, timed=timed)
+
+
+def _policy_sweeps(head_exists: bool) -> list[Config]:
+    # The first of each family is its default setting (timed); the rest sweep its threshold.
+    configs = [
+        _plugin("svip h=0.3 (default)", "svip", {"policy": "svip"}, 0.3, timed=True),
+        *[_plugin(f"svip h={h}", "svip", {"policy": "svip", "threshold": h}, h) for h in (0.5, 0.7, 0.8, 0.9, 1.1)],
+        _plugin("adaedl (default)", "adaedl", {"policy": "adaedl"}, 0.9, timed=True),
+        *[
+            _plugin(
+                f"adaedl lam=0 g={g} a=0.1", "adaedl", {"policy": "adaedl", "lam": 0.0, "gamma": g, "target_ar": 0.1}, g
+            )
+            for g in (0.12, 0.15, 0.18, 0.22)
+        ],
+        _plugin("confidence 0.4 (default)", "confidence", {"policy": "confidence"}, 0.4, timed=True),
+        *[
+            _plugin(f"confidence {t}", "confidence", {"policy": "confidence", "threshold": t}, t)
+            for t in (0.1, 0.2, 0.3, 0.5, 0.6)
+        ],
+        _plugin("heuristic (default)", "heuristic", {"policy": "heuristic"}, 4, timed=True),
+        _plugin("plugin fixed K=16", "plugin fixed", {"policy": "fixed"}, 16),
+    ]
+    if head_exists:
+        head = str(SPECDECPP_HEAD)
+        configs.append(_plugin("specdecpp (default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True))
+        configs += [
+            _plugin(f"specdecpp th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t)
+            for t in (0.2, 0.35, 0.5, 0.65, 0.8)
+        ]
+    return configs
+
+
+def full_plan() -> Plan:
+    configs = [
+        Config("no speculation", "nospec", "no speculation", timed=True),
+        *[Config(f"vLLM K={k}", "vllm", "fixed K", k, sweep=k, timed=True) for k in FIXED_KS],
+        Config(
+            "vLLM dynamic SD",
+            "vllm",
+            "vLLM dynamic",
+            max(r[2] for r in DYNAMIC_SCHEDULE),
+            dynamic=DYNAMIC_SCHEDULE,
+            timed=True,
+        ),
+        *_policy_sweeps(SPECDECPP_HEAD.exists()),
+        Config("HF heuristic (K0=5)", "hf", "HF assisted", 5, hf={"mode": "heuristic", "value": 5}),
+        Config("HF confidence 0.4", "hf", "HF assisted", 20, hf={"mode": "confidence", "value": 0.4}),
+        Config("oracle", "oracle", "oracle"),
+    ]
+    cells = []
+    for w in WORKLOADS:
+        cells.append(Cell(w, 32, 0.0, 100, 128, 1, timed=False))
+        for b in (1, 4, 16, 32):
+            cells.append(Cell(w, b, 0.0, 16 if b == 1 else 64, 96, 3, timed=True))
+        for b in (1, 16):
+            cells.append(Cell(w, b, 1.0, 16 if b == 1 else 64, 96, 3, timed=True))
+    return Plan(configs, cells)
+
+
+def short_plan() -> Plan:
+    """A few minutes: the headline configurations on code prompts."""
+    names = {
+        "no speculation",
+        "vLLM K=2",
+        "vLLM K=4",
+        "svip h=0.8",
+        "confidence 0.4 (default)",
+        "specdecpp (default)",
+        "oracle",
+    }
+    full = full_plan()
+    configs = [c for c in full.configs if c.name in names]
+    configs = [Config(**(c.to_dict() | {"timed": c.kind != "oracle"})) for c in configs]
+    cells = [
+        Cell("code_heldout", 16, 0.0, 48, 96, 1, timed=False),
+        Cell("code_heldout", 1, 0.0, 8, 96, 2, timed=True),
+        Cell("code_heldout", 16, 0.0, 32, 96, 2, timed=True),
+    ]
+    return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16))
+
+
+def default_out(full: bool) -> Path:
+    return REPO / "benchmarks" / "results" / ("harness" if full else "harness_short")

@@ -1,0 +1,98 @@
+"""The benchmark harness's arithmetic and report, on hand-made worker results."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.harness import plots, report
+from benchmarks.harness.plan import full_plan, short_plan
+
+
+def _cell(key_kind: str, batch: int, temperature: float = 0.0) -> dict:
+    cell = {"workload": "code_heldout", "batch": batch, "temperature": temperature, "n_prompts": 2,
+            "max_tokens": 8, "repeats": 2, "timed": key_kind == "timed"}  # fmt: skip
+    return cell | {"key": f"{key_kind}/code_heldout/b{batch}/t{temperature:g}"}
+
+
+def _row(cell: dict, seconds: float, steps: int, n_gen=16, n_draft=0, n_acc=0, hashes=("a", "b")) -> dict:
+    return {"cell": cell, "seconds": [seconds * 0.9, seconds, seconds * 1.1],
+        "tokens_per_s": [n_gen / seconds / f for f in (0.9, 1.0, 1.1)],
+            "n_gen": n_gen, "n_draft": n_draft, "n_accepted": n_acc, "steps": steps,
+            "draft_len_hist": {}, "output_hashes": list(hashes)}  # fmt: skip
+
+
+def _cfg(name: str, kind: str, family: str, k: int = 0) -> dict:
+    return {"name": name, "kind": kind, "family": family, "k": k, "adaptive": None, "dynamic": None, "hf": None,
+            "sweep": k or None, "timed": True}  # fmt: skip
+
+
+def _results() -> list[dict]:
+    timed, count = _cell("timed", 1), _cell("count", 8)
+    # t_T = 2 ms per step; a K-step costs 3 ms + 0.5 ms * K  -> t_D = 0.5 ms, c = 4
+    return [
+        {"config": _cfg("no speculation", "nospec", "no speculation"),
+         "cells": [_row(timed, 0.032, 16), _row(count, 0.1, 16)]},
+        {"config": _cfg("vLLM K=2", "vllm", "fixed K", 2),
+         "cells": [_row(timed, 0.004 * 8, 8, n_draft=16, n_acc=8), _row(count, 0.1, 8, n_draft=16, n_acc=8)]},
+        {"config": _cfg("vLLM K=4", "vllm", "fixed K", 4),
+         "cells": [_row(timed, 0.005 * 8, 8, n_draft=32, n_acc=8, hashes=("a", "x")),
+                   _row(count, 0.1, 8, n_draft=32, n_acc=8, hashes=("a", "x"))]},
+        {"config": _cfg("oracle", "oracle", "oracle"),
+         "replay": [{"cell": count, "k": 2, "oracle": True, "n_gen": 16, "n_target": 6, "n_draft": 10,
+                     "n_accepted": 10}]},
+    ]  # fmt: skip
+
+
+def test_derive_uses_algorithms_definitions():
+    r = report.derive({"n_gen": 20, "n_draft": 12, "n_accepted": 10})
+    assert r["n_target"] == 10  # every target step emits one token of its own
+    assert r["tau"] == 2.0 and r["discard_rate"] == pytest.approx(0.1)
+    assert r["verification_rate"] == 0.5 and r["draft_per_token"] == pytest.approx(0.6)
+
+
+def test_cost_ratio_is_fit_from_fixed_k_step_times():
+    ratios = report.cost_ratios(_results())
+    r = ratios["timed/code_heldout/b1/t0"]
+    assert r["t_target_s"] == pytest.approx(0.002)
+    assert r["t_draft_s"] == pytest.approx(0.0005)
+    assert r["t_spec_fixed_s"] == pytest.approx(0.003)
+    assert r["c"] == pytest.approx(4.0)
+
+
+def test_tabulate_speedups_and_lossless():
+    table = report.tabulate(_results())
+    rows = {(r["config"], r["cell"]["key"]): r for r in table["rows"]}
+    k2 = rows[("vLLM K=2", "count/code_heldout/b8/t0")]
+    # S = 1 / (N_T/N_gen + N_D/N_gen / c) = 1 / (0.5 + 1.0 / 4)
+    assert k2["S_c4"] == pytest.approx(1 / 0.75)
+    assert k2["S_measured_c"] == pytest.approx(1 / 0.75)  # the count cell borrows the closest timed cell's c
+    assert k2["lossless"] == 1.0
+    assert rows[("vLLM K=4", "count/code_heldout/b8/t0")]["lossless"] == 0.5
+    assert rows[("vLLM K=2", "timed/code_heldout/b1/t0")]["speedup_vs_no_spec"] == pytest.approx(1.0)
+    (orc,) = table["replay"]
+    assert orc["S_c4"] == pytest.approx(1 / (6 / 16 + 10 / 16 / 4))
+
+
+def test_report_and_plots_are_written(tmp_path):
+    table = report.write(_results(), {"summary": "test machine"}, tmp_path, "t")
+    md = (tmp_path / "report.md").read_text()
+    assert "best fixed K at c = 4: vLLM K=2" in md
+    assert (tmp_path / "report.json").exists()
+    assert (tmp_path / "plots" / "pareto_count_code_heldout_b8_t0.png").stat().st_size > 1000
+    assert "vLLM K=2" in report.headline(table)
+
+
+def test_pareto_front():
+    pts = [(0.5, 0.4), (0.4, 1.0), (0.45, 1.2), (0.6, 0.1), (0.6, 0.3)]
+    assert plots.pareto(pts) == [(0.4, 1.0), (0.5, 0.4), (0.6, 0.1)]
+
+
+def test_plans_cover_the_issue():
+    full = full_plan()
+    kinds = {c.kind for c in full.configs}
+    assert kinds >= {"nospec", "vllm", "plugin", "hf", "oracle"}
+    assert sorted(c.k for c in full.configs if c.family == "fixed K") == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert {c.batch for c in full.cells} == {1, 4, 16, 32}
+    assert {c.workload for c in full.cells} == {"code_heldout", "prose_heldout"}
+    assert len({c.name for c in full.configs}) == len(full.configs)
+    assert {c.kind for c in short_plan().configs} >= {"nospec", "vllm", "plugin", "oracle"}
