@@ -126,9 +126,9 @@ def full_plan() -> Plan:
     for w in WORKLOADS:
         cells.append(Cell(w, 32, 0.0, 100, 128, 1, timed=False))
         for b in (1, 4, 16, 32):
-            cells.append(Cell(w, b, 0.0, 16 if b == 1 else 64, 96, 3, timed=True))
+            cells.append(Cell(w, b, 0.0, 16 if b == 1 else 32, 64, 3, timed=True))
         for b in (1, 16):
-            cells.append(Cell(w, b, 1.0, 16 if b == 1 else 64, 96, 3, timed=True))
+            cells.append(Cell(w, b, 1.0, 16 if b == 1 else 32, 64, 3, timed=True))
     return Plan(configs, cells)
 
 

@@ -14,7 +14,7 @@ from vllm_adaptive_spec.policies.params import Param
 
 class SvipPolicy(StopPolicy):
     name = "svip"
-    PARAMS = {"threshold": Param(float, 0.0), "entropy_scale": Param(float, 1e-6)}
+    PARAMS = {"threshold": Param(float, 0.0, 100.0), "entropy_scale": Param(float, 1e-6, 1e6)}
 
     def __init__(self, threshold: float = 0.3, entropy_scale: float = 0.15):
         self.threshold = threshold
