@@ -22,6 +22,7 @@ import pytest
 
 from benchmarks.paths import TARGET, load_prompts
 from tests.conftest import spec_config
+from vllm_adaptive_spec.integration.worker_ext import WORKER_EXTENSION
 
 pytestmark = pytest.mark.e2e
 
@@ -53,8 +54,11 @@ def server():
         "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
         "--speculative-config", json.dumps(spec_config(8)),
         "--additional-config", json.dumps({"adaptive_spec": {"policy": "svip"}}),
+        "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    # dev mode: POST /collective_rpc reads the plugin's statistics from the worker
+    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_S
     while True:
@@ -125,4 +129,86 @@ def test_concurrent_streamed_and_aborted_requests(server, reference_texts):
     assert "vllm:spec_decode_num_draft_tokens" in metrics
     assert "adaptive_spec:draft_length_bucket" in metrics
     assert "adaptive_spec:mean_acceptance_length" in metrics
+    assert proc.poll() is None
+
+
+N_LOAD = 200  # requests in flight at once
+N_ABORT = 10
+
+
+def _server_rss_mb(proc) -> float:
+    import psutil
+
+    root = psutil.Process(proc.pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
+
+
+def _worker_stats(base: str) -> list[dict]:
+    with _post(base + "/collective_rpc", {"method": "adaptive_spec_stats"}, timeout=30) as resp:
+        return [snap for per_worker in json.load(resp)["results"] for snap in per_worker]
+
+
+def _load_request(base: str, i: int, prompt: str) -> tuple[str, str, str | None]:
+    """Request i of the load: greedy or sampled, streamed or not, short or long, some aborted."""
+    max_tokens = (8, 96, 33)[i % 3]
+    body = {"model": str(TARGET), "prompt": prompt, "max_tokens": max_tokens}
+    body |= {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": i}
+    if i < N_ABORT:
+        return "aborted", _stream(base, prompt, 400, stop_after=2), None
+    if i % 4 in (0, 1):
+        with _post(base + "/v1/completions", body, timeout=300) as resp:
+            choice = json.load(resp)["choices"][0]
+            return "done", choice["text"], choice["finish_reason"]
+    text, finish = "", None
+    with _post(base + "/v1/completions", body | {"stream": True}, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                choice = json.loads(line[5:])["choices"][0]
+                text += choice["text"]
+                finish = choice.get("finish_reason") or finish
+    return "done", text, finish
+
+
+def test_load_of_200_concurrent_requests(server, ref_llm):
+    """Issue 7: 200 requests at once (greedy and sampled, streamed or not, short and long,
+    10 aborted mid-stream): none lost, greedy ones equal the reference, state back to empty,
+    memory flat."""
+    from vllm import SamplingParams
+
+    base, proc = server
+    prompts = load_prompts("code_heldout", N_LOAD)
+    greedy_ids = [i for i in range(N_ABORT, N_LOAD) if i % 2 == 0]
+    refs = ref_llm.generate(
+        [prompts[i] for i in greedy_ids],
+        [SamplingParams(temperature=0, max_tokens=(8, 96, 33)[i % 3]) for i in greedy_ids],
+        use_tqdm=False,
+    )
+    want = {i: o.outputs[0].text for i, o in zip(greedy_ids, refs)}
+    before_stats = _worker_stats(base)[0]["n_finished"]
+    rss = [_server_rss_mb(proc)]
+    for wave in range(2):  # the first wave warms the server up; the second must not grow it
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=N_LOAD) as pool:
+            futures = [pool.submit(_load_request, base, i, p) for i, p in enumerate(prompts)]
+            results = [f.result(timeout=600) for f in futures]
+        elapsed = time.monotonic() - start
+        assert [kind for kind, _, _ in results] == ["aborted"] * N_ABORT + ["done"] * (N_LOAD - N_ABORT)
+        assert all(finish in ("length", "stop") for _, _, finish in results[N_ABORT:]), "every request completed"
+        wrong = [i for i in greedy_ids if results[i][1] != want[i]]
+        assert not wrong, f"wave {wave}: greedy completions differ from the reference: {wrong}"
+        assert urllib.request.urlopen(base + "/health", timeout=10).status == 200
+
+        deadline = time.monotonic() + 30
+        while True:  # finished ids reach the worker with the engine's next step
+            (snap,) = _worker_stats(base)
+            if snap["requests"] == {} and snap["tracked"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert snap["requests"] == {} and snap["tracked"] == 0, "per-request state left behind"
+        assert snap["n_finished"] - before_stats >= (wave + 1) * (N_LOAD - N_ABORT)
+        rss.append(_server_rss_mb(proc))
+        print(f"\nload wave {wave}: {N_LOAD} requests ({N_ABORT} aborted) in {elapsed:.1f} s; RSS {rss[-1]:.0f} MiB")
+    print(f"server RSS: before {rss[0]:.0f} MiB, after wave 1 {rss[1]:.0f}, after wave 2 {rss[2]:.0f}")
+    assert rss[2] < rss[1] * 1.02 + 20, rss
     assert proc.poll() is None
