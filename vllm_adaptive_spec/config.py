@@ -12,14 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_adaptive_spec.errors import ConfigError
 from vllm_adaptive_spec.policies import POLICY_CLASSES, StopPolicy
 
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
-
-
-class ConfigError(ValueError):
-    """A bad `adaptive_spec` value; the message names the field and the value."""
+__all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +46,9 @@ class AdaptiveSpecConfig:
             if error:
                 raise ConfigError(error)
             params[key] = value
+        for key, spec in specs.items():
+            if spec.required and key not in params:
+                raise ConfigError(f"{CONFIG_KEY}.{key}: required for policy {policy!r}")
         return cls(policy=policy, params=params)
 
     def build_policy(self) -> StopPolicy:

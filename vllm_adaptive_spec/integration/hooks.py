@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError, parse_additional_config
+from vllm_adaptive_spec.policies import POLICY_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
             f"adaptive_spec needs speculative_config with method 'draft_model' "
             f"(its num_speculative_tokens is the cap K); got speculative_config.method={method!r}"
         )
+    # Trained heads must fit the running draft (SpecDec++: fingerprint in the head file).
+    POLICY_CLASSES[cfg.policy].check_engine(cfg.params, spec.model)
     return cfg
 
 

@@ -53,6 +53,11 @@ class StopPolicy:
     PARAMS: dict[str, Param] = {}  # constructor keyword -> allowed type and range
     device = torch.device("cpu")  # where per-round state tensors live; set by the proposer
 
+    @classmethod
+    def check_engine(cls, params: dict, draft_model: str) -> None:
+        """Start-up check against the engine's draft model (e.g. a trained head
+        fits it); raises ConfigError. Runs in the front-end process."""
+
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
         """Upper bound on this round's draft length per request (<= cap)."""
         return [cap] * len(req_ids)

@@ -1,0 +1,95 @@
+"""Command line: `vllm-adaptive-spec train specdecpp ...` (also `python -m vllm_adaptive_spec.cli`).
+
+    vllm-adaptive-spec train specdecpp --target benchmarks/models/toy-target \\
+        --draft benchmarks/models/toy-draft --prompts benchmarks/prompts/code_train.jsonl \\
+        --out heads/toy/specdecpp.safetensors
+
+Runs SpecDec++ head training end to end: target responses through vLLM,
+teacher-forced labels, head training, evaluation, threshold choice; writes the
+head and a JSON report next to it (`<out stem>.report.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+logger = logging.getLogger("vllm_adaptive_spec.cli")
+
+
+def _read_prompts(path: Path, n: int | None) -> list[str]:
+    with path.open() as fh:
+        rows = [json.loads(line)["prompt"] for line in fh if line.strip()]
+    return rows if n is None else rows[:n]
+
+
+def _train_specdecpp(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from vllm_adaptive_spec.training import data
+    from vllm_adaptive_spec.training.specdecpp import TrainConfig, train_specdecpp
+
+    modes = tuple(args.responses_modes.split(","))
+    if args.responses is not None and args.responses.exists():
+        responses = data.load_responses(args.responses)
+        logger.info("reusing %d target responses from %s", len(responses), args.responses)
+    else:
+        from vllm_adaptive_spec.integration.datagen import generate_responses
+
+        prompts = _read_prompts(args.prompts, args.n_prompts)
+        responses = generate_responses(args.target, prompts, args.max_tokens, modes, args.temperature, args.seed)
+        if args.responses is not None:
+            data.save_responses(responses, args.responses)
+    cfg = TrainConfig(
+        **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    )
+    extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
+    report = train_specdecpp(args.target, args.draft, responses, args.out, cfg, extra)
+    report_path = args.out.with_name(args.out.name.removesuffix(".safetensors") + ".report.json")
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    m = report["metrics"]
+    print(
+        f"head: {args.out} ({report['parameters']:,} parameters); binary KL train {m['train']['binary_kl']:.4f}, "
+        f"held-out {m['heldout']['binary_kl']:.4f}; recommended threshold {report['meta']['recommended_threshold']}"
+        f"\nreport: {report_path}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vllm-adaptive-spec", description="vllm-adaptive-spec tools")
+    sub = ap.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a stopping head").add_subparsers(dest="head", required=True)
+    sp = train.add_parser("specdecpp", help="SpecDec++ acceptance head")
+    sp.add_argument("--target", type=Path, required=True, help="target model directory")
+    sp.add_argument("--draft", type=Path, required=True, help="draft model directory (the head is tied to it)")
+    sp.add_argument("--prompts", type=Path, required=True, help="JSONL with a 'prompt' field per line")
+    sp.add_argument("--out", type=Path, required=True, help="head file to write (.safetensors)")
+    sp.add_argument("--n-prompts", type=int, help="use the first N prompts")
+    sp.add_argument("--max-tokens", type=int, default=128, help="target response length")
+    sp.add_argument("--responses-modes", default="greedy", help="target responses: greedy,sampled")
+    sp.add_argument("--responses", type=Path, help="JSONL cache of target responses: reused if present, else written")
+    sp.add_argument("--mode", choices=("greedy", "sampling"), help="label mode (default greedy)")
+    sp.add_argument("--temperature", type=float, default=1.0, help="sampled responses and sampling-mode labels")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--threads", type=int, help="torch CPU threads for labelling and training (1 on a busy machine)")
+    for name in ("depth", "epochs", "batch_size", "cap", "replay_responses"):
+        sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    for name in ("weight", "mix", "lr", "weight_decay", "val_frac", "cost_ratio"):
+        sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    sp.set_defaults(run=_train_specdecpp)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

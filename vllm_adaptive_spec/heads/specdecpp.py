@@ -1,0 +1,113 @@
+"""SpecDec++ acceptance head (seed 001; ALGORITHMS.md, "SpecDec++ acceptance head").
+
+f: D residual blocks x <- x + SiLU(W_l x + b_l), each with its own weights
+(the public code reused one module D times by mistake), then Linear(H, 1).
+p_t = sigmoid(f(h_t)) estimates P(y_t accepted | prefix), h_t being the
+draft's final hidden state at the position that consumes y_t. Drafting stops
+after y_t once 1 - prod_{j<=t} p_j > theta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_adaptive_spec.errors import ConfigError
+from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_file, read_head_meta, save_head_file
+
+KIND = "specdecpp"
+ARCHITECTURE = "residual-silu-mlp"
+
+
+@dataclass(frozen=True)
+class SpecDecHeadConfig:
+    hidden_size: int  # the draft's hidden size H
+    depth: int = 3  # residual blocks D (the paper's robust choice)
+
+
+class SpecDecHead(nn.Module):
+    def __init__(self, cfg: SpecDecHeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        # One Linear per block: a list comprehension, never [block] * D.
+        self.blocks = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.hidden_size) for _ in range(cfg.depth))
+        self.out = nn.Linear(cfg.hidden_size, 1)
+        for block in self.blocks:
+            # Blocks start near the identity, so the untrained head is a linear probe.
+            nn.init.normal_(block.weight, std=0.02)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] -> acceptance logits [...]."""
+        x = hidden
+        for block in self.blocks:
+            x = x + nn.functional.silu(block(x))
+        return self.out(x).squeeze(-1)
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in self.state_dict().items()}
+
+
+def stop_rule(running: torch.Tensor, p: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the SpecDec++ rule.
+
+    running: [B] prod_{j<t} p_j; p: [B] p_t -> (running * p_t [B], stop [B] bool),
+    stop = 1 - prod_{j<=t} p_j > threshold. NaN in p means stop.
+    """
+    running = running * p  # [B]
+    keep_going = (1.0 - running) <= threshold  # NaN -> False
+    return running, ~keep_going
+
+
+def stop_lengths(p: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Draft lengths the rule gives a whole round at once (offline replay).
+
+    p: [B, K] acceptance probabilities of draft tokens 0..K-1 -> [B] in 1..K:
+    the first t >= 1 with 1 - prod_{j<t} p_j > threshold, else K. Token 0 is
+    always drafted: nothing is known about it before it exists.
+    """
+    k = p.shape[-1]
+    risk = 1.0 - torch.cumprod(p[:, : k - 1], dim=-1)  # [B, K-1]; risk[:, j] after token j
+    stop_after = torch.cat([~(risk <= threshold), torch.ones_like(p[:, :1], dtype=torch.bool)], -1)  # [B, K]
+    return stop_after.int().argmax(-1) + 1  # first True; NaN risk -> stop
+
+
+def save_specdecpp(path: str | Path, head: SpecDecHead, meta: dict[str, Any]) -> None:
+    """meta: draft identity, recommended_threshold, training summary, commit..."""
+    doc = {"kind": KIND, "architecture": ARCHITECTURE, **asdict(head.cfg), **meta}
+    save_head_file(path, head.state_dict(), doc)
+
+
+def _config_from_meta(meta: dict[str, Any], path: str | Path, field: str) -> SpecDecHeadConfig:
+    if meta.get("kind") != KIND or meta.get("architecture") != ARCHITECTURE:
+        raise ConfigError(
+            f"{field}: {str(path)!r} is a {meta.get('kind')!r}/{meta.get('architecture')!r} head; "
+            f"expected {KIND!r}/{ARCHITECTURE!r}"
+        )
+    sizes = {k: meta.get(k) for k in ("hidden_size", "depth")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes.values()):
+        raise ConfigError(f"{field}: {str(path)!r} has bad head sizes {sizes}")
+    threshold = meta.get("recommended_threshold")
+    if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise ConfigError(f"{field}: {str(path)!r} has a bad recommended_threshold {threshold!r}")
+    return SpecDecHeadConfig(**sizes)
+
+
+def load_specdecpp(path: str | Path, field: str = "adaptive_spec.head") -> tuple[SpecDecHead, dict[str, Any]]:
+    """The head (float32, CPU, eval mode) and its metadata; ConfigError naming `field` on any defect."""
+    cfg = _config_from_meta(read_head_meta(path, field), path, field)
+    head = SpecDecHead(cfg)
+    loaded = load_head_file(path, field, head.expected_shapes())
+    head.load_state_dict(loaded.tensors)
+    return head.eval().requires_grad_(False), loaded.meta
+
+
+def check_specdecpp(path: str | Path, draft_model: str | Path, field: str = "adaptive_spec.head") -> dict[str, Any]:
+    """Start-up check: the file is a sound head and fits the running draft. Returns its metadata."""
+    head, meta = load_specdecpp(path, field)
+    check_draft(meta, path, draft_model, field)
+    return meta

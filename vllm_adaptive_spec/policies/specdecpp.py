@@ -1,0 +1,50 @@
+"""SpecDec++ (seed 001): stop once the head says a rejection has become likely.
+
+The head reads h_t, the draft's final hidden state at the position consuming
+y_t. The proposer hands the policy, at draft step t, the hidden state of the
+forward that produced q_t, i.e. the one consuming y_{t-1}; so at step t >= 1
+the policy learns p_{t-1}, updates the running product, and if
+1 - prod_{j<=t-1} p_j > threshold drops y_t and stops: "stop after y_{t-1}"
+without an extra draft forward. At t = 0 there is nothing to judge yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.heads.specdecpp import check_specdecpp, load_specdecpp, stop_rule
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
+from vllm_adaptive_spec.policies.params import Param
+
+FIELD = "adaptive_spec.head"
+
+
+class SpecDecPPPolicy(StopPolicy):
+    name = "specdecpp"
+    PARAMS = {"head": Param(str, required=True), "threshold": Param(float, 0.0, 1.0)}
+
+    def __init__(self, head: str, threshold: float | None = None):
+        self.head, self.meta = load_specdecpp(head, FIELD)  # float32, CPU until the first round
+        self.threshold = float(self.meta["recommended_threshold"] if threshold is None else threshold)
+        self._running: torch.Tensor | None = None  # [B] prod of p_j over this round's judged drafts
+
+    @classmethod
+    def check_engine(cls, params: dict, draft_model: str) -> None:
+        check_specdecpp(params["head"], draft_model, FIELD)
+
+    def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
+        if self.head.out.weight.device != self.device:
+            self.head.to(self.device)
+        self._running = torch.ones(len(req_ids), dtype=torch.float32, device=self.device)
+        return [cap] * len(req_ids)
+
+    def decide(
+        self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
+    ) -> StepDecision:
+        ok = finite_rows(logp)  # [B]
+        if t == 0 or hidden is None:
+            return StepDecision(keep=ok, stop=~ok)
+        p = torch.sigmoid(self.head(hidden.float()))  # [B] p_{t-1}
+        self._running, stop = stop_rule(self._running, p, self.threshold)
+        keep = ok & ~stop
+        return StepDecision(keep=keep, stop=~keep)
