@@ -38,8 +38,9 @@ class AdaptiveSpecConfig:
             if key == "policy":
                 continue
             if key not in specs:
+                name = key if isinstance(key, str) and key.isidentifier() else repr(key)  # one-line message
                 raise ConfigError(
-                    f"{CONFIG_KEY}.{key}: unknown field for policy {policy!r} (value {value!r}); "
+                    f"{CONFIG_KEY}.{name}: unknown field for policy {policy!r} (value {value!r}); "
                     f"known fields: {['policy', *sorted(specs)]}"
                 )
             error = specs[key].check(f"{CONFIG_KEY}.{key}", value)

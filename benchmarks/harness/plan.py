@@ -97,10 +97,12 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
     ]
     if head_exists:
         head = str(SPECDECPP_HEAD)
-        configs.append(_plugin("specdecpp (default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True))
+        configs.append(
+            _plugin("specdecpp th=0.8 (head default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True)
+        )
         configs += [
             _plugin(f"specdecpp th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t)
-            for t in (0.2, 0.35, 0.5, 0.65, 0.8)
+            for t in (0.3, 0.5, 0.65, 0.9, 0.95)
         ]
     return configs
 
@@ -140,7 +142,7 @@ def short_plan() -> Plan:
         "vLLM K=4",
         "svip h=0.8",
         "confidence 0.4 (default)",
-        "specdecpp (default)",
+        "specdecpp th=0.8 (head default)",
         "oracle",
     }
     full = full_plan()

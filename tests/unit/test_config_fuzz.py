@@ -36,6 +36,7 @@ def _check(raw) -> None:
 @settings(max_examples=400, deadline=None)
 @given(configs, policies)
 @example({"threshold": 1e308}, "svip")  # regression: threshold**2 overflowed in SvipPolicy.__init__
+@example({"\n": 0.0}, "fixed")  # regression: a field name with a newline broke the one-line message
 def test_fuzzed_mappings(raw, policy):
     _check(raw | {"policy": policy})
 

@@ -75,11 +75,13 @@ def test_heuristic_schedule():
 @pytest.mark.parametrize("name", sorted(POLICY_CLASSES))
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_and_inf_logits_stop_without_crashing(name, bad):
+    from benchmarks.harness.plan import SPECDECPP_HEAD
     from vllm_adaptive_spec.integration.proposer import policy_logprobs
 
-    p = POLICY_CLASSES[name]()
+    p = POLICY_CLASSES[name](**({"head": str(SPECDECPP_HEAD)} if name == "specdecpp" else {}))
     p.round_limits(["a", "b"], cap=4)
     logits = torch.stack([torch.log(PEAKED), torch.full((V,), bad)])  # [2, V]
-    d = p.decide(policy_logprobs(logits, None), torch.tensor([0, 0]), t=0)
+    hidden = torch.zeros(2, 256)  # [2, H] the toy draft's hidden size
+    d = p.decide(policy_logprobs(logits, None), torch.tensor([0, 0]), t=0, hidden=hidden)
     assert d.stop[1] and not d.keep[1]
     assert not d.stop[0] or name in ("svip", "adaedl")  # the healthy row is untouched
