@@ -1,4 +1,4 @@
-"""Command line: `vllm-adaptive-spec train specdecpp ...` (also `python -m vllm_adaptive_spec.cli`).
+"""Command line: `vllm-adaptive-spec train specdecpp|pacer ...` (also `python -m vllm_adaptive_spec.cli`).
 
     vllm-adaptive-spec train specdecpp --target benchmarks/models/toy-target \\
         --draft benchmarks/models/toy-draft --prompts benchmarks/prompts/code_train.jsonl \\
@@ -6,7 +6,9 @@
 
 Runs SpecDec++ head training end to end: target responses through vLLM,
 teacher-forced labels, head training, evaluation, threshold choice; writes the
-head and a JSON report next to it (`<out stem>.report.json`).
+head and a JSON report next to it (`<out stem>.report.json`). `train pacer`
+does the same for the Pacer pre-verifier (draft chains, packed BCE training,
+block size / threshold / growth chosen by replay).
 """
 
 from __future__ import annotations
@@ -26,31 +28,66 @@ def _read_prompts(path: Path, n: int | None) -> list[str]:
     return rows if n is None else rows[:n]
 
 
-def _train_specdecpp(args: argparse.Namespace) -> None:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def _responses(args: argparse.Namespace):
     from vllm_adaptive_spec.training import data
-    from vllm_adaptive_spec.training.specdecpp import TrainConfig, train_specdecpp
 
     modes = tuple(args.responses_modes.split(","))
     if args.responses is not None and args.responses.exists():
         responses = data.load_responses(args.responses)
         logger.info("reusing %d target responses from %s", len(responses), args.responses)
-    else:
-        from vllm_adaptive_spec.integration.datagen import generate_responses
+        return responses
+    from vllm_adaptive_spec.integration.datagen import generate_responses
 
-        prompts = _read_prompts(args.prompts, args.n_prompts)
-        responses = generate_responses(args.target, prompts, args.max_tokens, modes, args.temperature, args.seed)
-        if args.responses is not None:
-            data.save_responses(responses, args.responses)
+    prompts = _read_prompts(args.prompts, args.n_prompts)
+    responses = generate_responses(args.target, prompts, args.max_tokens, modes, args.temperature, args.seed)
+    if args.responses is not None:
+        data.save_responses(responses, args.responses)
+    return responses
+
+
+def _report_path(out: Path) -> Path:
+    return out.with_name(out.name.removesuffix(".safetensors") + ".report.json")
+
+
+def _train_pacer(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from vllm_adaptive_spec.training.pacer import TrainConfig, train_pacer
+
+    responses = _responses(args)
+    if args.n_responses:
+        responses = responses[: args.n_responses]
+    cfg = TrainConfig(
+        **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    )
+    extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
+    report = train_pacer(args.target, args.draft, responses, args.out, cfg, extra)
+    report_path = _report_path(args.out)
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    m, meta = report["metrics"], report["meta"]
+    print(
+        f"pre-verifier: {args.out} ({report['parameters']:,} parameters); BCE train {m['train']['bce']:.4f}, "
+        f"held-out {m['heldout']['bce']:.4f}, held-out accuracy {m['heldout']['accuracy']:.4f}; "
+        f"block {meta['block_size']}, threshold {meta['threshold']}, growth {meta['growth']}\nreport: {report_path}"
+    )
+
+
+def _train_specdecpp(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from vllm_adaptive_spec.training.specdecpp import TrainConfig, train_specdecpp
+
+    responses = _responses(args)
     cfg = TrainConfig(
         **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     )
     extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
     report = train_specdecpp(args.target, args.draft, responses, args.out, cfg, extra)
-    report_path = args.out.with_name(args.out.name.removesuffix(".safetensors") + ".report.json")
+    report_path = _report_path(args.out)
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     m = report["metrics"]
     print(
@@ -65,6 +102,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a stopping head").add_subparsers(dest="head", required=True)
     sp = train.add_parser("specdecpp", help="SpecDec++ acceptance head")
+    _common_options(sp)
+    sp.add_argument("--mode", choices=("greedy", "sampling"), help="label mode (default greedy)")
+    for name in ("depth", "epochs", "batch_size", "cap", "replay_responses"):
+        sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    for name in ("weight", "mix", "lr", "weight_decay", "val_frac", "cost_ratio"):
+        sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    sp.set_defaults(run=_train_specdecpp)
+    pc = train.add_parser("pacer", help="Pacer blockwise pre-verifier")
+    _common_options(pc)
+    pc.add_argument("--n-responses", type=int, help="use the first N cached responses")
+    pc.add_argument("--halting", choices=("mean", "any", "last"), help="halting rule for the replay (default mean)")
+    pc.add_argument("--no-position", dest="use_position", action="store_const", const=False, help="ablation: no e_i")
+    for name in (
+        "chain_length",
+        "train_stride",
+        "window",
+        "num_heads",
+        "mlp_size",
+        "max_draft",
+        "epochs",
+        "batch_size",
+        "cap",
+        "replay_responses",
+    ):
+        pc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    for name in ("lr", "weight_decay", "val_frac", "cost_ratio"):
+        pc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    pc.set_defaults(run=_train_pacer)
+    return ap
+
+
+def _common_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--target", type=Path, required=True, help="target model directory")
     sp.add_argument("--draft", type=Path, required=True, help="draft model directory (the head is tied to it)")
     sp.add_argument("--prompts", type=Path, required=True, help="JSONL with a 'prompt' field per line")
@@ -73,16 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-tokens", type=int, default=128, help="target response length")
     sp.add_argument("--responses-modes", default="greedy", help="target responses: greedy,sampled")
     sp.add_argument("--responses", type=Path, help="JSONL cache of target responses: reused if present, else written")
-    sp.add_argument("--mode", choices=("greedy", "sampling"), help="label mode (default greedy)")
     sp.add_argument("--temperature", type=float, default=1.0, help="sampled responses and sampling-mode labels")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, help="torch CPU threads for labelling and training (1 on a busy machine)")
-    for name in ("depth", "epochs", "batch_size", "cap", "replay_responses"):
-        sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
-    for name in ("weight", "mix", "lr", "weight_decay", "val_frac", "cost_ratio"):
-        sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
-    sp.set_defaults(run=_train_specdecpp)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,7 +78,8 @@ def test_nan_and_inf_logits_stop_without_crashing(name, bad):
     from benchmarks.harness.plan import SPECDECPP_HEAD
     from vllm_adaptive_spec.integration.proposer import policy_logprobs
 
-    p = POLICY_CLASSES[name](**({"head": str(SPECDECPP_HEAD)} if name == "specdecpp" else {}))
+    heads = {"specdecpp": SPECDECPP_HEAD, "pacer": SPECDECPP_HEAD.with_name("pacer.safetensors")}
+    p = POLICY_CLASSES[name](**({"head": str(heads[name])} if name in heads else {}))
     p.round_limits(["a", "b"], cap=4)
     logits = torch.stack([torch.log(PEAKED), torch.full((V,), bad)])  # [2, V]
     hidden = torch.zeros(2, 256)  # [2, H] the toy draft's hidden size

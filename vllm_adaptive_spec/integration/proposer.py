@@ -176,6 +176,8 @@ class AdaptiveDraftProposer(DraftModelProposer):
             **model_inputs,
         )
         forwards = 1
+        if self.policy.observes_context:
+            self._observe_context(req_ids, hidden, cad, num_rejected_tokens_gpu)
         if cap == 0 or max(limits) == 0:
             self.stats.record_proposal([0] * batch, forwards)
             return [[] for _ in range(batch)]
@@ -229,6 +231,19 @@ class AdaptiveDraftProposer(DraftModelProposer):
         rows = torch.cat([lengths.unsqueeze(1), torch.stack(tokens_per_step, dim=1).long()], dim=1).tolist()
         self.stats.record_proposal([row[0] for row in rows], forwards)
         return [row[1 : 1 + row[0]] for row in rows]
+
+    def _observe_context(self, req_ids: list[str], hidden: torch.Tensor, cad: Any, rejected: torch.Tensor | None):
+        """Give the policy the first pass's rows of each request's verified tokens (one host copy per round).
+
+        After set_inputs_first_pass request i owns rows qsl[i]..qsl[i+1]-1: its
+        valid tokens, the new bonus token, then its rejected drafts (padded batch)."""
+        batch = len(req_ids)
+        qsl = cad.query_start_loc_cpu[: batch + 1].tolist()
+        first = self.positions[cad.query_start_loc[:batch]].long()  # [B]
+        rej = torch.zeros_like(first) if rejected is None else rejected[:batch].long()  # [B]
+        positions, num_rejected = torch.stack([first, rej]).tolist()
+        lengths = [qsl[i + 1] - qsl[i] - num_rejected[i] for i in range(batch)]
+        self.policy.observe_context(req_ids, hidden, qsl[:-1], lengths, positions)
 
     def _enter_decode(self, cad: Any, batch: int, num_rejected_tokens_gpu: torch.Tensor | None):
         """Switch the attention metadata from the first pass to one token per row."""

@@ -5,11 +5,13 @@ from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy
 from vllm_adaptive_spec.policies.confidence import ConfidencePolicy
 from vllm_adaptive_spec.policies.fixed import FixedPolicy
 from vllm_adaptive_spec.policies.heuristic import HeuristicPolicy
+from vllm_adaptive_spec.policies.pacer import PacerPolicy
 from vllm_adaptive_spec.policies.specdecpp import SpecDecPPPolicy
 from vllm_adaptive_spec.policies.svip import SvipPolicy
 
 POLICY_CLASSES: dict[str, type[StopPolicy]] = {
-    cls.name: cls for cls in (FixedPolicy, SvipPolicy, AdaEdlPolicy, ConfidencePolicy, HeuristicPolicy, SpecDecPPPolicy)
+    cls.name: cls
+    for cls in (FixedPolicy, SvipPolicy, AdaEdlPolicy, ConfidencePolicy, HeuristicPolicy, SpecDecPPPolicy, PacerPolicy)
 }
 
 __all__ = ["POLICY_CLASSES", "StepDecision", "StopPolicy", "entropy"]

@@ -62,6 +62,18 @@ class StopPolicy:
         """Upper bound on this round's draft length per request (<= cap)."""
         return [cap] * len(req_ids)
 
+    observes_context = False  # True: the proposer calls observe_context after each first pass
+
+    def observe_context(
+        self, req_ids: list[str], hidden: torch.Tensor, starts: list[int], lengths: list[int], positions: list[int]
+    ) -> None:
+        """The draft's first pass of the round (only for policies with observes_context).
+
+        hidden: [N, H] the pass's final hidden states; request i's verified tokens
+        (previous bonus token, accepted drafts, new bonus token; the prompt on a
+        first round) consumed at rows starts[i]..starts[i]+lengths[i]-1, the first
+        at sequence position positions[i]. Rows of rejected drafts are excluded."""
+
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:

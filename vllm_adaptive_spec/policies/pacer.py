@@ -1,0 +1,128 @@
+"""Pacer (seed 000): a one-layer pre-verifier judges each block of b draft tokens.
+
+The layer reads h_i, the draft's final hidden state consuming draft token i.
+The proposer hands the policy, at draft step t, the hidden state of the
+forward that produced q_t, i.e. the one consuming y_{t-1}; so at step t the
+policy stores h_{t-1}, and when t is a multiple of b (tokens t-b..t-1 form a
+complete block) it runs the layer on that block, attending to the request's
+accepted context and this round's earlier drafts. If the halting rule fires
+(mean alpha over the block <= threshold by default) y_t is dropped and the
+request stops with t tokens; otherwise the request's threshold grows by rho.
+No host sync inside `decide`.
+
+Context: a bounded recent window of the last W accepted tokens' draft hidden
+states per request (the paper uses the full context; W comes from the layer
+file, 64 for the bundled one). The proposer passes each first pass's hidden
+states over the newly verified tokens (`observe_context`); they are kept per
+request id, deduplicated by sequence position (a round's first row repeats
+the previous round's bonus token), and dropped in `forget`. The window is
+gathered into a padded [B, W, H] batch and turned into keys/values once per
+round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.heads.pacer import HALTING, check_pacer, halt, load_pacer
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
+from vllm_adaptive_spec.policies.params import Param
+
+FIELD = "adaptive_spec.head"
+
+
+class PacerPolicy(StopPolicy):
+    name = "pacer"
+    observes_context = True
+    PARAMS = {
+        "head": Param(str, required=True),
+        "block_size": Param(int, 1, 64),
+        "threshold": Param(float, 0.0, 1.0),
+        "growth": Param(float, 0.5, 2.0),
+        "halting": Param(str, choices=HALTING),
+        "context_window": Param(int, 0, 1_000_000),
+    }
+
+    def __init__(
+        self,
+        head: str,
+        block_size: int | None = None,
+        threshold: float | None = None,
+        growth: float | None = None,
+        halting: str | None = None,
+        context_window: int | None = None,
+    ):
+        self.layer, self.meta = load_pacer(head, FIELD)  # float32, CPU until the first round
+        m = self.meta
+        self.block = int(m["block_size"] if block_size is None else block_size)
+        self.threshold = float(m["threshold"] if threshold is None else threshold)
+        self.growth = float(m["growth"] if growth is None else growth)
+        self.halting = str(m.get("halting", "mean") if halting is None else halting)
+        self.window = int(m["context_window"] if context_window is None else context_window)
+        self._ctx: dict[str, torch.Tensor] = {}  # req_id -> [n <= W, H] hidden states of accepted tokens
+        self._next_pos: dict[str, int] = {}  # req_id -> sequence position of the next unseen token
+        # Per round:
+        self._ctx_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x [B, heads, W', d]
+        self._ctx_valid: torch.Tensor | None = None  # [B, W'] bool
+        self._drafts: torch.Tensor | None = None  # [B, cap, H] h_i of this round's drafts
+        self._thr: torch.Tensor | None = None  # [B] current threshold
+
+    @classmethod
+    def check_engine(cls, params: dict, draft_model: str) -> None:
+        check_pacer(params["head"], draft_model, FIELD)
+
+    def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
+        if self.layer.out.weight.device != self.device:
+            self.layer.to(self.device)
+        b, h = len(req_ids), self.layer.cfg.hidden_size
+        self._ctx_kv, self._ctx_valid = None, None
+        self._drafts = torch.zeros(b, max(cap, 1), h, device=self.device)
+        self._thr = torch.full((b,), self.threshold, device=self.device)
+        return [cap] * b
+
+    def observe_context(
+        self, req_ids: list[str], hidden: torch.Tensor, starts: list[int], lengths: list[int], positions: list[int]
+    ) -> None:
+        rows = []
+        for req_id, start, n, pos in zip(req_ids, starts, lengths, positions):
+            skip = max(0, min(n, self._next_pos.get(req_id, pos) - pos))  # rows already stored
+            new = hidden[start + skip : start + n].float()  # [n - skip, H]
+            old = self._ctx.get(req_id)
+            ctx = new if old is None else torch.cat([old, new])
+            self._ctx[req_id] = ctx[max(0, ctx.shape[0] - self.window) :]
+            self._next_pos[req_id] = max(self._next_pos.get(req_id, 0), pos + n)
+            rows.append(self._ctx[req_id])
+        width = max((r.shape[0] for r in rows), default=0)
+        h = self.layer.cfg.hidden_size
+        padded = torch.zeros(len(rows), width, h, device=self.device)  # [B, W', H]
+        for i, r in enumerate(rows):
+            padded[i, : r.shape[0]] = r
+        sizes = torch.tensor([r.shape[0] for r in rows])
+        self._ctx_valid = (torch.arange(width)[None, :] < sizes[:, None]).to(self.device)  # [B, W']
+        self._ctx_kv = self.layer.context_kv(padded)
+
+    def decide(
+        self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
+    ) -> StepDecision:
+        ok = finite_rows(logp)  # [B]
+        if t == 0 or hidden is None or self._drafts is None:
+            return StepDecision(keep=ok, stop=~ok)
+        self._drafts[:, t - 1] = hidden.float()  # h of draft token t (1-based), consuming y_{t-1}
+        if t % self.block:
+            return StepDecision(keep=ok, stop=~ok)
+        b = hidden.shape[0]
+        if self._ctx_kv is None:  # no first pass seen this round: judge on the drafts alone
+            self._ctx_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.device)
+            self._ctx_kv = self.layer.context_kv(torch.zeros(b, 0, self.layer.cfg.hidden_size, device=self.device))
+        logits = self.layer.score(self._ctx_kv, self._ctx_valid, self._drafts[:, :t], t - self.block)  # [B, block]
+        stop = halt(torch.sigmoid(logits), self._thr, self.halting)  # [B]
+        self._thr = torch.where(stop, self._thr, self._thr * self.growth)
+        keep = ok & ~stop
+        return StepDecision(keep=keep, stop=~keep)
+
+    def forget(self, req_id: str) -> None:
+        self._ctx.pop(req_id, None)
+        self._next_pos.pop(req_id, None)
+
+    def num_tracked(self) -> int:
+        return len(self._ctx)
