@@ -1,0 +1,104 @@
+"""The Pacer policy with the bundled toy pre-verifier inside vLLM: lossless greedy output under
+preemption and chunked prefill, per-request context freed, and the context window it keeps equal
+to the draft's own hidden states over the request's tokens (HF teacher-forced pass)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.paths import REPO, load_prompts
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, spec_config
+
+pytestmark = pytest.mark.e2e
+
+HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
+CAP = 8
+N_PROMPTS = 20
+MAX_MODEL_LEN = 256
+CHUNK = 64  # prompts longer than this prefill in chunks
+ASKED = [(3, 17, 40, 120, 1)[i % 5] for i in range(N_PROMPTS)]
+
+
+def _stash_contexts(worker) -> int:
+    """In the worker: keep a copy of each request's context window when the policy forgets it."""
+    from vllm_adaptive_spec.integration import runtime
+
+    n = 0
+    for proposer in runtime._proposers:
+        policy = proposer.policy
+        policy.stash = {}
+        forget = policy.forget
+
+        def keep_then_forget(req_id, policy=policy, forget=forget):
+            if req_id in policy._ctx:
+                policy.stash[req_id] = policy._ctx[req_id].cpu().clone()
+            forget(req_id)
+
+        policy.forget = keep_then_forget
+        n += 1
+    return n
+
+
+def _stashed(worker) -> list:
+    from vllm_adaptive_spec.integration import runtime
+
+    return [list(getattr(p.policy, "stash", {}).values()) for p in runtime._proposers]
+
+
+@pytest.fixture(scope="module")
+def pacer_llm():
+    llm = make_llm(
+        speculative_config=spec_config(CAP),
+        additional_config={"adaptive_spec": {"policy": "pacer", "head": str(HEAD)}},
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=16,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=CHUNK,
+        num_gpu_blocks_override=8,  # blocks of 128 tokens on CPU; 16 running requests need more: preemption
+    )
+    yield llm
+    close_llm(llm)
+
+
+def test_bundled_layer_is_lossless_under_preemption(ref_llm, pacer_llm):
+    from vllm_adaptive_spec.integration.runtime import get_stats
+
+    prompts = load_prompts("code_heldout", N_PROMPTS)
+    tok = ref_llm.get_tokenizer()
+    lengths = [len(tok(p).input_ids) for p in prompts]
+    keep = [i for i, n in enumerate(lengths) if n < MAX_MODEL_LEN - 8]
+    prompts, lengths, asked = [prompts[i] for i in keep], [lengths[i] for i in keep], [ASKED[i] for i in keep]
+    allowed = [min(m, MAX_MODEL_LEN - n) for m, n in zip(asked, lengths)]
+    want = greedy(ref_llm, prompts, allowed)
+    got = greedy(pacer_llm, prompts, asked)
+    assert got == want, first_mismatch(got, want)
+    preemptions = sum(m.value for m in pacer_llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert preemptions > 0, "the KV cache was meant to force preemption"
+    (snap,) = get_stats(pacer_llm)
+    assert snap["policy"] == "pacer"
+    hist = snap["drafted_len_hist"]
+    assert len(hist) > 1 and max(int(k) for k in hist) <= CAP, hist
+    assert snap["requests"] == {} and snap["tracked"] == 0, snap
+
+
+def test_context_window_is_the_drafts_hidden_states(pacer_llm):
+    import torch
+
+    from vllm_adaptive_spec.training import data
+
+    prompts = load_prompts("code_heldout", N_PROMPTS)[:3]
+    assert pacer_llm.collective_rpc(_stash_contexts) == [1]
+    outs = pacer_llm.generate(prompts, __import__("vllm").SamplingParams(temperature=0.0, max_tokens=40))
+    (stashes,) = pacer_llm.collective_rpc(_stashed)
+    assert len(stashes) == len(prompts)
+    draft = data.load_causal_lm(REPO / "benchmarks" / "models" / "toy-draft")
+    for out in outs:
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        hf = data.final_hidden(draft, torch.tensor([ids]))[0]  # [L, H]
+        # The window ends with the last token the draft read: the final bonus token or the one before.
+        errors = [
+            min(float((ctx - hf[end - len(ctx) : end]).abs().max()) for end in (len(ids), len(ids) - 1))
+            for ctx in stashes
+            if len(ctx) <= len(ids) - 1
+        ]
+        assert min(errors) < 1e-3, errors
