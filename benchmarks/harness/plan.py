@@ -24,6 +24,7 @@ CAP = 16  # cap K of every adaptive policy
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
 DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
 SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
+PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,13 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
             _plugin(f"specdecpp th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t)
             for t in (0.3, 0.5, 0.65, 0.9, 0.95)
         ]
+    if PACER_HEAD.exists():
+        head = str(PACER_HEAD)
+        configs.append(_plugin("pacer (layer defaults)", "pacer", {"policy": "pacer", "head": head}, timed=True))
+        configs += [
+            _plugin(f"pacer t={t}", "pacer", {"policy": "pacer", "head": head, "threshold": t}, t)
+            for t in (0.5, 0.6, 0.8, 0.9)
+        ]
     return configs
 
 
@@ -143,6 +151,7 @@ def short_plan() -> Plan:
         "svip h=0.8",
         "confidence 0.4 (default)",
         "specdecpp th=0.8 (head default)",
+        "pacer (layer defaults)",
         "oracle",
     }
     full = full_plan()
