@@ -251,10 +251,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workload", choices=("code_heldout", "prose_heldout"), default="code_heldout")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's own setting)"
+    )
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompts = load_prompts(args.workload, args.n_prompts)
     line = {"workload": args.workload, "n_prompts": len(prompts), "max_tokens": args.max_tokens, "mode": args.mode}
+    line["threads"] = torch.get_num_threads()
     plain = run_plain(prompts, args.max_tokens, args.repeats)
     if args.mode == "plain":
         line.update(summary(plain))

@@ -110,7 +110,7 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
         configs.append(_plugin("pacer (layer defaults)", "pacer", {"policy": "pacer", "head": head}, timed=True))
         configs += [
             _plugin(f"pacer t={t}", "pacer", {"policy": "pacer", "head": head, "threshold": t}, t)
-            for t in (0.5, 0.6, 0.8, 0.9)
+            for t in (0.3, 0.4, 0.6, 0.7)
         ]
     return configs
 

@@ -16,7 +16,7 @@ CAP = 8
 N_PROMPTS = 20
 MAX_MODEL_LEN = 256
 CHUNK = 64  # prompts longer than this prefill in chunks
-ASKED = [(3, 17, 40, 120, 1)[i % 5] for i in range(N_PROMPTS)]
+ASKED = [(17, 200, 120, 200, 1)[i % 5] for i in range(N_PROMPTS)]  # 200: runs into max_model_len
 
 
 def _stash_contexts(worker) -> int:
