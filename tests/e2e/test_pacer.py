@@ -89,16 +89,21 @@ def test_context_window_is_the_drafts_hidden_states(pacer_llm):
     prompts = load_prompts("code_heldout", N_PROMPTS)[:3]
     assert pacer_llm.collective_rpc(_stash_contexts) == [1]
     outs = pacer_llm.generate(prompts, __import__("vllm").SamplingParams(temperature=0.0, max_tokens=40))
-    (stashes,) = pacer_llm.collective_rpc(_stashed)
-    assert len(stashes) == len(prompts)
+    stashes = [ctx for worker in pacer_llm.collective_rpc(_stashed) for per in worker for ctx in per]
+    assert stashes  # requests whose finish reached the worker before generate returned
     draft = data.load_causal_lm(REPO / "benchmarks" / "models" / "toy-draft")
+
+    def rel(ctx, hf, end):  # vLLM runs the draft in bfloat16, HF in float32: relative error
+        ref = hf[end - len(ctx) : end]
+        return float((ctx.float() - ref).abs().mean() / ref.abs().mean())
+
+    hfs = []
     for out in outs:
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        hf = data.final_hidden(draft, torch.tensor([ids]))[0]  # [L, H]
+        hfs.append(data.final_hidden(draft, torch.tensor([ids]))[0])  # [L, H]
+    for ctx in stashes:
         # The window ends with the last token the draft read: the final bonus token or the one before.
-        errors = [
-            min(float((ctx - hf[end - len(ctx) : end]).abs().max()) for end in (len(ids), len(ids) - 1))
-            for ctx in stashes
-            if len(ctx) <= len(ids) - 1
-        ]
-        assert min(errors) < 1e-3, errors
+        fits = [(i, end) for i, hf in enumerate(hfs) for end in (len(hf), len(hf) - 1) if end > len(ctx)]
+        err, end, i = min((rel(ctx, hfs[i], end), end, i) for i, end in fits)
+        assert err < 0.05, err
+        assert rel(ctx, hfs[i], end - 1) > 5 * err  # one position off is far worse: the spans are exact
