@@ -90,6 +90,17 @@ def run_config(config: Config, plan: Plan, out: Path) -> tuple[Path, bool]:
     return result, proc.returncode == 0 and result.exists()
 
 
+def add_policy_costs(results: list[dict]) -> None:
+    """Every plugin policy's own cost per draft step, timed here, one after another (policy_cost.py)."""
+    from benchmarks.harness.policy_cost import policy_cost_s
+    from benchmarks.paths import DRAFT
+
+    draft = json.loads((DRAFT / "config.json").read_text())
+    for res in results:
+        if res["config"]["kind"] == "plugin":
+            res["policy_cost_s"] = policy_cost_s(res["config"]["adaptive"], draft["vocab_size"], draft["hidden_size"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="every configuration, workload and batch size")
@@ -119,6 +130,7 @@ def main() -> None:
     results = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json")) if p.stem in names]
     order = {c.name: i for i, c in enumerate(plan.configs)}
     results.sort(key=lambda r: order.get(r["config"]["name"], 1e9))
+    add_policy_costs(results)
     title = "Benchmark harness: full run" if args.full else "Benchmark harness: short run"
     table = report.write(results, environment(), out, title)
     print(report.headline(table))

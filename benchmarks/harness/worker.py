@@ -167,29 +167,6 @@ def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int]) -> list[d
     return rows
 
 
-def policy_cost_s(adaptive: dict, vocab: int, hidden_size: int, iters: int = 2000) -> float:
-    """Seconds per draft step spent in the policy (distribution + decision), batch 1."""
-    import torch
-
-    from vllm_adaptive_spec.config import AdaptiveSpecConfig
-    from vllm_adaptive_spec.integration.proposer import policy_logprobs
-
-    policy = AdaptiveSpecConfig.from_dict(adaptive).build_policy()
-    logits, hidden = torch.randn(1, vocab), torch.randn(1, hidden_size)
-    tokens = logits.argmax(-1)
-
-    def once() -> None:
-        policy.round_limits(["r"], 16)
-        policy.decide(policy_logprobs(logits, None), tokens, 1, hidden)
-
-    for _ in range(50):
-        once()
-    start = time.perf_counter()
-    for _ in range(iters):
-        once()
-    return (time.perf_counter() - start) / iters
-
-
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -209,11 +186,6 @@ def main() -> None:
             Path(job["nospec_outputs"]).write_text(json.dumps(saved))
         for r in result["cells"]:
             r.pop("_outputs"), r.pop("_prompt_ids")
-    if config.kind == "plugin":
-        from benchmarks.paths import DRAFT
-
-        draft_cfg = json.loads((DRAFT / "config.json").read_text())
-        result["policy_cost_s"] = policy_cost_s(config.adaptive, draft_cfg["vocab_size"], draft_cfg["hidden_size"])
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 
