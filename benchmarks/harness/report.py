@@ -255,7 +255,12 @@ def headline(table: dict[str, Any]) -> str:
     if not keys:
         return ""
     here = [r for r in rows if r["cell"]["key"] == keys[0]]
-    timed = {(r["config"], r["cell"]["batch"]): r for r in rows if r["cell"]["timed"] and r["cell"]["temperature"] == 0}
+    workload = here[0]["cell"]["workload"]
+    timed = {
+        (r["config"], r["cell"]["batch"]): r
+        for r in rows
+        if r["cell"]["timed"] and r["cell"]["temperature"] == 0 and r["cell"]["workload"] == workload
+    }
     batches = sorted({b for _, b in timed})
     head = f"{'config':28} {'tau':>5} {'discard':>7} {'verif':>6} {'S(c)':>6} {'S(c=4)':>6} {'lossless':>8}"
     head += "".join(f" {'wall b' + str(b):>9}" for b in batches)

@@ -96,3 +96,13 @@ def test_plans_cover_the_issue():
     assert {c.workload for c in full.cells} == {"code_heldout", "prose_heldout"}
     assert len({c.name for c in full.configs}) == len(full.configs)
     assert {c.kind for c in short_plan().configs} >= {"nospec", "vllm", "plugin", "oracle"}
+
+
+def test_headline_reads_timed_cells_of_its_own_workload():
+    """Regression: the headline's wall-clock columns mixed in another prompt family's cells."""
+    results = _results()
+    prose = _cell("timed", 1) | {"workload": "prose_heldout", "key": "timed/prose_heldout/b1/t0"}
+    results[0]["cells"].append(_row(prose, 0.032, 16))
+    results[1]["cells"].append(_row(prose, 0.064, 8, n_draft=16, n_acc=8))  # K=2 twice as slow on prose
+    line = next(x for x in report.headline(report.tabulate(results)).splitlines() if x.startswith("vLLM K=2"))
+    assert line.split()[-1] == "1.00x", line
