@@ -261,3 +261,22 @@ def test_policy_uses_the_files_recommendations(pacer_file):
     p = PacerPolicy(str(pacer_file))
     assert (p.block, p.threshold, p.growth, p.halting, p.window) == (2, 0.6, 1.05, "mean", 3)
     assert TrainConfig().cap == 16
+
+
+def test_cached_context_keys_values_equal_a_fresh_projection(pacer_file):
+    """The policy projects each context token once; the cached keys/values must equal
+    projecting the whole stored window again."""
+    p = PacerPolicy(str(pacer_file), context_window=3)
+    p.round_limits(["a", "b"], cap=4)
+    torch.manual_seed(0)
+    p.observe_context(["a", "b"], torch.randn(6, H), starts=[0, 4], lengths=[4, 2], positions=[0, 10])
+    p.round_limits(["a", "b"], cap=4)
+    p.observe_context(["a", "b"], torch.randn(4, H), starts=[0, 2], lengths=[2, 2], positions=[3, 11])
+    for i, req in enumerate(["a", "b"]):
+        k, v = p.layer.context_kv(p._ctx[req].unsqueeze(0))  # [1, heads, n, d]
+        n = p._ctx[req].shape[0]
+        assert torch.allclose(p._ctx_kv[0][i, :, :n], k[0], atol=1e-6)
+        assert torch.allclose(p._ctx_kv[1][i, :, :n], v[0], atol=1e-6)
+        assert p._ctx_valid[i].tolist() == [True] * n + [False] * (p._ctx_valid.shape[1] - n)
+    p.forget("a")
+    assert "a" not in p._kv

@@ -16,8 +16,9 @@ file, 64 for the bundled one). The proposer passes each first pass's hidden
 states over the newly verified tokens (`observe_context`); they are kept per
 request id, deduplicated by sequence position (a round's first row repeats
 the previous round's bonus token), and dropped in `forget`. The window is
-gathered into a padded [B, W, H] batch and turned into keys/values once per
-round.
+projected to keys/values once, when it arrives (one layer, no RoPE: a
+context token's key and value depend on its own hidden state only), and the
+per-request keys/values are gathered into a padded batch each round.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class PacerPolicy(StopPolicy):
         self.halting = str(m.get("halting", "mean") if halting is None else halting)
         self.window = int(m["context_window"] if context_window is None else context_window)
         self._ctx: dict[str, torch.Tensor] = {}  # req_id -> [n <= W, H] hidden states of accepted tokens
+        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # req_id -> 2 x [heads, n, d] of _ctx
         self._next_pos: dict[str, int] = {}  # req_id -> sequence position of the next unseen token
         # Per round:
         self._ctx_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x [B, heads, W', d]
@@ -83,23 +85,35 @@ class PacerPolicy(StopPolicy):
     def observe_context(
         self, req_ids: list[str], hidden: torch.Tensor, starts: list[int], lengths: list[int], positions: list[int]
     ) -> None:
-        rows = []
+        fresh = []  # per request: [m, H] hidden states of tokens not stored yet
         for req_id, start, n, pos in zip(req_ids, starts, lengths, positions):
             skip = max(0, min(n, self._next_pos.get(req_id, pos) - pos))  # rows already stored
-            new = hidden[start + skip : start + n].float()  # [n - skip, H]
-            old = self._ctx.get(req_id)
-            ctx = new if old is None else torch.cat([old, new])
-            self._ctx[req_id] = ctx[max(0, ctx.shape[0] - self.window) :]
+            fresh.append(hidden[start + skip : start + n].float())
             self._next_pos[req_id] = max(self._next_pos.get(req_id, 0), pos + n)
-            rows.append(self._ctx[req_id])
-        width = max((r.shape[0] for r in rows), default=0)
+        # A context token's key/value depends on its own hidden state only (one layer, no RoPE):
+        # project just the new tokens, in one call for the batch, and keep them per request.
+        sizes = [f.shape[0] for f in fresh]
         h = self.layer.cfg.hidden_size
-        padded = torch.zeros(len(rows), width, h, device=self.device)  # [B, W', H]
-        for i, r in enumerate(rows):
-            padded[i, : r.shape[0]] = r
-        sizes = torch.tensor([r.shape[0] for r in rows])
-        self._ctx_valid = (torch.arange(width)[None, :] < sizes[:, None]).to(self.device)  # [B, W']
-        self._ctx_kv = self.layer.context_kv(padded)
+        k_all, v_all = self.layer.context_kv(torch.cat(fresh).reshape(1, -1, h).to(self.device))  # [1, heads, N, d]
+        rows = []
+        for req_id, new, k, v in zip(req_ids, fresh, k_all[0].split(sizes, dim=1), v_all[0].split(sizes, dim=1)):
+            old, kv = self._ctx.get(req_id), self._kv.get(req_id)
+            ctx = new if old is None else torch.cat([old, new])
+            if kv is not None:
+                k, v = torch.cat([kv[0], k], dim=1), torch.cat([kv[1], v], dim=1)  # [heads, n, d]
+            cut = max(0, ctx.shape[0] - self.window)
+            self._ctx[req_id] = ctx[cut:]
+            self._kv[req_id] = (k[:, cut:], v[:, cut:])
+            rows.append(self._kv[req_id])
+        heads, d = self.layer.cfg.num_heads, self.layer.cfg.hidden_size // self.layer.cfg.num_heads
+        counts = [r[0].shape[1] for r in rows]
+        width = max(counts, default=0)
+        k_pad = torch.zeros(len(rows), heads, width, d, device=self.device)  # [B, heads, W', d]
+        v_pad = torch.zeros_like(k_pad)
+        for i, (k, v) in enumerate(rows):
+            k_pad[i, :, : counts[i]], v_pad[i, :, : counts[i]] = k, v
+        self._ctx_valid = (torch.arange(width)[None, :] < torch.tensor(counts)[:, None]).to(self.device)  # [B, W']
+        self._ctx_kv = (k_pad, v_pad)
 
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
@@ -122,6 +136,7 @@ class PacerPolicy(StopPolicy):
 
     def forget(self, req_id: str) -> None:
         self._ctx.pop(req_id, None)
+        self._kv.pop(req_id, None)
         self._next_pos.pop(req_id, None)
 
     def num_tracked(self) -> int:
