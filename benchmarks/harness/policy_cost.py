@@ -1,8 +1,9 @@
 """The stopping policy's own time per draft step, measured the same way for every policy.
 
-A round at batch 1 on the toy draft's sizes: `round_limits`, then `decide` for
-draft steps 0..3 (the distribution included), after the policy has seen 64
-tokens of context (for policies that keep context, i.e. Pacer). The figure is
+A round at batch 1 on the toy draft's sizes: `round_limits`, the first pass's
+context for policies that keep it (Pacer: a 64-token prompt, then 3 verified
+tokens a round, as in vLLM), then `decide` for draft steps 0..3 (the
+distribution included). The figure is
 the round's time divided by its 4 draft steps. Run in one process, after the
 workers, so every policy is timed under the same conditions.
 """
@@ -24,11 +25,14 @@ def policy_cost_s(adaptive: dict, vocab: int, hidden_size: int, rounds: int = 30
     policy = AdaptiveSpecConfig.from_dict(adaptive).build_policy()
     logits, hidden = torch.randn(1, vocab), torch.randn(1, hidden_size)
     tokens = logits.argmax(-1)
-    if policy.observes_context:
-        policy.observe_context(["r"], torch.randn(64, hidden_size), [0], [64], [0])
+    pos = [0]
 
     def one_round() -> None:
         policy.round_limits(["r"], 16)
+        if policy.observes_context:  # the round's first pass: the first round reads a 64-token prompt, later ones 3
+            n = 64 if pos[0] == 0 else 3
+            policy.observe_context(["r"], torch.randn(n, hidden_size), [0], [n], [pos[0]])
+            pos[0] += n
         for t in range(STEPS):
             policy.decide(policy_logprobs(logits, None), tokens, t, hidden)
 
