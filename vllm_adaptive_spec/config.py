@@ -17,6 +17,7 @@ from vllm_adaptive_spec.policies import POLICY_CLASSES, StopPolicy
 
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
+PLUGIN_FIELDS = ("policy", "time_policy")  # fields of the plugin itself; the rest are the policy's
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
 
 
@@ -24,6 +25,7 @@ __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_
 class AdaptiveSpecConfig:
     policy: str = "fixed"
     params: dict[str, Any] = field(default_factory=dict)  # the policy's constructor keywords
+    time_policy: bool = False  # measure the policy's own time in the engine (policies/timing.py)
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -32,16 +34,19 @@ class AdaptiveSpecConfig:
         policy = raw.get("policy", cls.policy)
         if not isinstance(policy, str) or policy not in POLICY_CLASSES:
             raise ConfigError(f"{CONFIG_KEY}.policy: unknown policy {policy!r}; expected one of {list(POLICIES)}")
+        time_policy = raw.get("time_policy", cls.time_policy)
+        if not isinstance(time_policy, bool):
+            raise ConfigError(f"{CONFIG_KEY}.time_policy: expected true or false, got {time_policy!r}")
         specs = POLICY_CLASSES[policy].PARAMS
         params = {}
         for key, value in raw.items():
-            if key == "policy":
+            if key in PLUGIN_FIELDS:
                 continue
             if key not in specs:
                 name = key if isinstance(key, str) and key.isidentifier() else repr(key)  # one-line message
                 raise ConfigError(
                     f"{CONFIG_KEY}.{name}: unknown field for policy {policy!r} (value {value!r}); "
-                    f"known fields: {['policy', *sorted(specs)]}"
+                    f"known fields: {[*PLUGIN_FIELDS, *sorted(specs)]}"
                 )
             error = specs[key].check(f"{CONFIG_KEY}.{key}", value)
             if error:
@@ -50,7 +55,7 @@ class AdaptiveSpecConfig:
         for key, spec in specs.items():
             if spec.required and key not in params:
                 raise ConfigError(f"{CONFIG_KEY}.{key}: required for policy {policy!r}")
-        return cls(policy=policy, params=params)
+        return cls(policy=policy, params=params, time_policy=time_policy)
 
     def build_policy(self) -> StopPolicy:
         return POLICY_CLASSES[self.policy](**self.params)

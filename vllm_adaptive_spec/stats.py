@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm_adaptive_spec.metrics import SpecCounts
+from vllm_adaptive_spec.policies.timing import Clock
 
 
 @dataclass
@@ -20,6 +21,7 @@ class StatsBook:
     n_finished: int = 0
     forwards_per_step: Counter = field(default_factory=Counter)  # draft forward passes -> engine steps
     drafted_len_hist: Counter = field(default_factory=Counter)  # proposed draft length -> rounds
+    clock: Clock | None = None  # set with adaptive_spec.time_policy
 
     def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
         """One engine step: per request, drafts verified and tokens generated (0: not a decode step)."""
@@ -52,4 +54,5 @@ class StatsBook:
             "n_finished": self.n_finished,
             "forwards_per_step": dict(sorted(self.forwards_per_step.items())),
             "drafted_len_hist": dict(sorted(self.drafted_len_hist.items())),
+            **({"timing": self.clock.as_dict()} if self.clock is not None else {}),
         }

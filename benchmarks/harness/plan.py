@@ -25,6 +25,11 @@ CAP = 16  # cap K of every adaptive policy
 DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
 SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
 PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
+# The position-embedding ablation: two layers trained alike (500 responses), with and without e_i.
+PACER_ABLATION_PAIR = {
+    "on": REPO / "heads" / "toy" / "ablations" / "pacer_pos500.safetensors",
+    "off": REPO / "heads" / "toy" / "ablations" / "pacer_nopos500.safetensors",
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class Config:
     hf: dict | None = None  # {"mode": "heuristic"|"confidence", "value": ...}
     sweep: float | None = None  # the swept value, for plots
     timed: bool = False  # runs the timed cells too
+    workloads: tuple[str, ...] | None = None  # only these prompt families (None: all)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +75,8 @@ class Plan:
     def cells_for(self, config: Config) -> list[Cell]:
         if config.kind == "hf":  # batch 1, greedy: what HF assisted generation supports
             return [c for c in self.cells if c.batch == 1 and c.temperature == 0.0 and c.timed]
-        return [c for c in self.cells if config.timed or not c.timed]
+        cells = [c for c in self.cells if config.timed or not c.timed]
+        return [c for c in cells if config.workloads is None or c.workload in config.workloads]
 
 
 def _plugin(name: str, family: str, adaptive: dict, sweep: float | None = None, timed: bool = False) -> Config:
@@ -115,6 +122,49 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
     return configs
 
 
+def _pacer_ablations() -> list[Config]:
+    """Pacer's ablations (paper tables 5, 7, 8) through vLLM: count cells on code prompts only.
+    Each changes one setting of the bundled layer's defaults (block 2, threshold 0.5, growth 1.0,
+    mean halting, window 64); the position pair swaps in two layers trained alike."""
+    if not PACER_HEAD.exists():
+        return []
+    head = str(PACER_HEAD)
+    variants = [
+        *[(f"block={b}", {"block_size": b}, b) for b in (1, 3, 4, 5, 6, 7)],
+        ("halting=any", {"halting": "any"}, None),
+        ("halting=last", {"halting": "last"}, None),
+        ("growth=1.05", {"growth": 1.05}, 1.05),
+        ("context=full", {"context_window": 1_000_000}, None),
+        ("context=current block", {"context_window": 0}, None),
+    ]
+    configs = [
+        Config(
+            f"pacer ablation {label}",
+            "plugin",
+            "pacer ablation",
+            CAP,
+            {"policy": "pacer", "head": head, **extra},
+            sweep=sweep,
+            workloads=("code_heldout",),
+        )
+        for label, extra, sweep in variants
+    ]
+    if all(p.exists() for p in PACER_ABLATION_PAIR.values()):
+        settings = {"block_size": 2, "threshold": 0.5, "growth": 1.0}
+        configs += [
+            Config(
+                f"pacer ablation position={k}",
+                "plugin",
+                "pacer ablation",
+                CAP,
+                {"policy": "pacer", "head": str(p), **settings},
+                workloads=("code_heldout",),
+            )
+            for k, p in PACER_ABLATION_PAIR.items()
+        ]
+    return configs
+
+
 def full_plan() -> Plan:
     configs = [
         Config("no speculation", "nospec", "no speculation", timed=True),
@@ -128,6 +178,7 @@ def full_plan() -> Plan:
             timed=True,
         ),
         *_policy_sweeps(SPECDECPP_HEAD.exists()),
+        *_pacer_ablations(),
         Config("HF heuristic (K0=5)", "hf", "HF assisted", 5, hf={"mode": "heuristic", "value": 5}),
         Config("HF confidence 0.4", "hf", "HF assisted", 20, hf={"mode": "confidence", "value": 0.4}),
         Config("oracle", "oracle", "oracle"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.harness import plots, report
@@ -106,3 +108,34 @@ def test_headline_reads_timed_cells_of_its_own_workload():
     results[1]["cells"].append(_row(prose, 0.064, 8, n_draft=16, n_acc=8))  # K=2 twice as slow on prose
     line = next(x for x in report.headline(report.tabulate(results)).splitlines() if x.startswith("vLLM K=2"))
     assert line.split()[-1] == "1.00x", line
+
+
+def test_in_engine_policy_costs_are_charged(tmp_path):
+    path = tmp_path / "engine.json"
+    row = {"config": "vLLM K=2", "batch": 1, "policy_us_per_decide": 50.0, "policy_share": 0.1,
+           "policy_share_range": [0.09, 0.11]}  # fmt: skip
+    path.write_text(json.dumps({"rows": [row, row | {"batch": 16}, row | {"config": "absent"}]}))
+    table = report.tabulate(_results())
+    (got,) = report.engine_costs(table, path, count_key="count/code_heldout/b8/t0")
+    # t_D = 0.5 ms -> f = 0.1 of a draft step per drafted token; N_T/N_gen 0.5, N_D/N_gen 1, c = 4
+    assert got["f"] == pytest.approx(0.1)
+    assert got["S_c4_engine_cost"] == pytest.approx(1 / (0.5 + 0.25 + 0.1 * 1.0 / 4))
+    table["engine_costs"] = [got]
+    assert "| vLLM K=2 | 10.0% [9.0%, 11.0%] | 50 | 10.0% | 1.333 | 1.290 |" in "\n".join(
+        report.engine_cost_section(table)
+    )
+    assert report.engine_costs(table, tmp_path / "missing.json") == []
+
+
+def test_pacer_ablations_change_one_setting_on_code_count_cells_only():
+    plan = full_plan()
+    abl = [c for c in plan.configs if c.family == "pacer ablation"]
+    if not abl:
+        pytest.skip("no bundled Pacer layer")
+    names = {c.name for c in abl}
+    assert {f"pacer ablation block={b}" for b in (1, 3, 4, 5, 6, 7)} <= names
+    assert {"pacer ablation halting=any", "pacer ablation growth=1.05", "pacer ablation context=full"} <= names
+    for c in abl:
+        assert not c.timed and [x.key for x in plan.cells_for(c)] == ["count/code_heldout/b32/t0"]
+        changed = set(c.adaptive) - {"policy", "head"}
+        assert len(changed) == 1 or c.name.startswith("pacer ablation position=")

@@ -97,6 +97,41 @@ def test_inference_path_equals_training_path_and_ignores_padding():
     torch.testing.assert_close(got, want[2:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_position", [True, False])
+def test_blockwise_inference_equals_the_training_path(use_position):
+    """score_block over successive blocks (padded batch, cached keys/values) gives the
+    logits of one training-path pass over [context; drafts] with the chain mask."""
+    torch.manual_seed(1)
+    layer = PacerLayer(PacerConfig(hidden_size=H, num_heads=2, mlp_size=16, max_draft=4, use_position=use_position))
+    layer.eval()
+    ctxs, drafts = [torch.randn(5, H), torch.randn(3, H)], torch.randn(2, 6, H)  # 6 > max_draft: clamped e_i
+    want = []
+    for ctx, d in zip(ctxs, drafts):
+        pos = torch.tensor([0] * len(ctx) + [min(i, 4) for i in range(1, 7)])
+        full = layer(torch.cat([ctx, d])[None], pos[None], build_chain_mask(len(ctx), [len(ctx)], [6]))
+        want.append(full[0, len(ctx) :])
+    width, cap, block = 5, 6, 2
+    k_buf, v_buf = torch.zeros(2, 2, width + cap, H // 2), torch.zeros(2, 2, width + cap, H // 2)
+    valid = torch.zeros(2, width, dtype=torch.bool)
+    for i, ctx in enumerate(ctxs):
+        k, v = layer.context_kv(ctx[None])
+        k_buf[i, :, : len(ctx)], v_buf[i, :, : len(ctx)] = k[0], v[0]
+        valid[i, : len(ctx)] = True
+    mask = torch.cat([valid[:, None].expand(2, cap, width), torch.ones(cap, cap).tril().bool().expand(2, -1, -1)], -1)
+    rows = layer.position_rows(cap, torch.device("cpu"))
+    got = [
+        layer.score_block(
+            drafts[:, f : f + block],
+            rows[f : f + block],
+            (k_buf, v_buf),
+            width + f,
+            mask[:, f : f + block, : width + f + block],
+        )
+        for f in range(0, cap, block)
+    ]
+    torch.testing.assert_close(torch.cat(got, dim=1), torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
 def test_position_embeddings_and_their_ablation():
     on, off = make_layer(), make_layer(use_position=False)
     h = torch.randn(1, 3, H)
@@ -227,11 +262,12 @@ def test_policy_judges_full_blocks_and_keeps_context(pacer_file):
     logits = iter([torch.tensor([[3.0, 3.0], [-3.0, -3.0]]), torch.full((2, 2), 3.0)])  # [B, block] per judged block
     seen = []
 
-    def fake_score(ctx_kv, valid, drafts, first):
-        seen.append((valid.clone(), drafts.shape[1], first))
+    def fake_score_block(block, pos_rows, kv, at, mask):
+        width = p._round[3]
+        seen.append((mask[:, 0, :width].clone(), at - width, mask.shape[2] - width, block.shape[1]))
         return next(logits)
 
-    p.layer.score = fake_score
+    p.layer.score_block = fake_score_block
     # First round for "a", second for "b"; 6 rows: a's prompt (4 rows), b's verified tokens (2 rows).
     assert p.round_limits(["a", "b"], cap=6) == [6, 6]
     hidden = torch.arange(6.0)[:, None].expand(6, H)
@@ -244,10 +280,10 @@ def test_policy_judges_full_blocks_and_keeps_context(pacer_file):
     assert not seen and d0.keep.all() and d1.keep.all() and not d1.stop.any()  # no full block yet
     d2 = p.decide(logp, tok, 2, torch.zeros(2, H))  # block of tokens 1-2: alphas ~.95 / ~.05
     assert d2.keep.tolist() == [True, False] and d2.stop.tolist() == [False, True]
-    assert seen[0][0].tolist() == [[True, True, True], [True, True, False]] and seen[0][1:] == (2, 0)
+    assert seen[0][0].tolist() == [[True, True, True], [True, True, False]] and seen[0][1:] == (0, 2, 2)
     p.decide(logp, tok, 3, torch.zeros(2, H))
     p.decide(logp, tok, 4, torch.zeros(2, H))
-    assert seen[1][1:] == (4, 2)
+    assert seen[1][1:] == (2, 4, 2)  # second block: drafts 3-4 after drafts 1-2
     # Next round: "a" re-reads its last token (position 3) and two new ones; dedup by position.
     p.round_limits(["a"], cap=6)
     p.observe_context(["a"], torch.tensor([3.0, 4.0, 5.0])[:, None].expand(3, H), [0], [3], [3])
@@ -275,8 +311,9 @@ def test_cached_context_keys_values_equal_a_fresh_projection(pacer_file):
     for i, req in enumerate(["a", "b"]):
         k, v = p.layer.context_kv(p._ctx[req].unsqueeze(0))  # [1, heads, n, d]
         n = p._ctx[req].shape[0]
-        assert torch.allclose(p._ctx_kv[0][i, :, :n], k[0], atol=1e-6)
-        assert torch.allclose(p._ctx_kv[1][i, :, :n], v[0], atol=1e-6)
-        assert p._ctx_valid[i].tolist() == [True] * n + [False] * (p._ctx_valid.shape[1] - n)
+        k_buf, v_buf, mask, width = p._round
+        assert torch.allclose(k_buf[i, :, :n], k[0], atol=1e-6)
+        assert torch.allclose(v_buf[i, :, :n], v[0], atol=1e-6)
+        assert mask[i, 0, :width].tolist() == [True] * n + [False] * (width - n)
     p.forget("a")
     assert "a" not in p._kv

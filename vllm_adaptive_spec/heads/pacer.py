@@ -18,7 +18,9 @@ context is a short recent window, so attention over it as a set is enough.
 
 Because M_B is a single layer, a context token's key and value depend only on
 its own hidden state; the context needs no causal pass of its own, and the
-policy can keep raw hidden states and recompute their keys/values each call.
+policy projects each context token once and keeps its keys/values. Within a
+round, `score_block` projects only the new block and reuses the keys/values
+of the context and the earlier blocks.
 
 Inference (App. A, Alg. 1): draft b tokens, run M_B on that block, stop if
 mean(alpha over the block) <= t, else t <- t * rho and draft the next block.
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_adaptive_spec.errors import ConfigError
@@ -86,15 +89,21 @@ class PacerLayer(nn.Module):
         """x: [B, T, H] (embedded) -> q, k, v, each [B, heads, T, H / heads]."""
         b, t, h = x.shape
         nh = self.cfg.num_heads
-        q, k, v = self.qkv(self.norm_attn(x)).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
+        # Functional calls on the modules' weights: the same maths, without nn.Module call
+        # overhead, which dominates this small layer's time at inference.
+        normed = F.rms_norm(x, (h,), self.norm_attn.weight, self.cfg.eps)
+        q, k, v = F.linear(normed, self.qkv.weight).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
         return q, k, v
 
     def _finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
         """Attention of q over k, v under mask [B, Q, T] bool, then MLP and output -> logits [B, Q]."""
-        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # [B, heads, Q, d]
-        x = x + self.proj(a.transpose(1, 2).reshape(x.shape))
-        x = x + self.down(nn.functional.silu(self.up(self.norm_mlp(x))))
-        return self.out(self.norm_out(x)).squeeze(-1)
+        h, eps = self.cfg.hidden_size, self.cfg.eps
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # [B, heads, Q, d]
+        x = x + F.linear(a.transpose(1, 2).reshape(x.shape), self.proj.weight)
+        up = F.linear(F.rms_norm(x, (h,), self.norm_mlp.weight, eps), self.up.weight, self.up.bias)
+        x = x + F.linear(F.silu(up), self.down.weight, self.down.bias)
+        out = F.linear(F.rms_norm(x, (h,), self.norm_out.weight, eps), self.out.weight, self.out.bias)
+        return out.squeeze(-1)
 
     def forward(self, hidden: torch.Tensor, draft_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Packed sequences (training). hidden: [B, T, H]; draft_pos: [B, T]; mask: [B, T, T] bool
@@ -131,6 +140,33 @@ class PacerLayer(nn.Module):
         mask = torch.cat([ctx_valid.unsqueeze(1).expand(b, t - first, -1), causal.expand(b, -1, -1)], dim=-1)
         k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)
         return self._finish(x[:, first:], q[:, :, first:], k, v, mask)
+
+    def position_rows(self, cap: int, device: torch.device) -> torch.Tensor:
+        """e_1..e_cap as [cap, H] (positions past max_draft reuse the last); zeros without position embeddings."""
+        if not self.cfg.use_position:
+            return torch.zeros(cap, self.cfg.hidden_size, device=device)
+        return self.pos(torch.arange(1, cap + 1, device=device).clamp(max=self.cfg.max_draft))
+
+    def score_block(
+        self,
+        block: torch.Tensor,
+        pos_rows: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        at: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """`score` for one new block, reusing the keys/values of everything before it.
+
+        block: [B, b, H] hidden states of draft tokens first+1..first+b; pos_rows:
+        [b, H] their e_i; kv: 2 x [B, heads, T, d] buffers holding the context
+        and the round's earlier drafts in [:at]; the block's keys/values are
+        written at [at, at + b). mask: [B, b, at + b] bool -> logits [B, b].
+        """
+        x = block + pos_rows
+        q, k, v = self._qkv(x)
+        end = at + block.shape[1]
+        kv[0][:, :, at:end], kv[1][:, :, at:end] = k, v
+        return self._finish(x, q, kv[0][:, :, :end], kv[1][:, :, :end], mask)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in self.state_dict().items()}

@@ -15,6 +15,7 @@ are computed and dropped), so the batch shape never changes mid-round.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
 from vllm_adaptive_spec.policies import StopPolicy
+from vllm_adaptive_spec.policies.timing import Clock, TimedPolicy
 from vllm_adaptive_spec.stats import StatsBook
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class AdaptiveDraftProposer(DraftModelProposer):
         self.policy: StopPolicy = cfg.build_policy()
         self.policy.device = device
         self.stats = StatsBook()
+        if cfg.time_policy:
+            self.stats.clock = Clock()
+            self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
         self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
         self._verified_drafts: list[int] | None = None  # drafts each request had verified this step
 
@@ -132,7 +137,22 @@ class AdaptiveDraftProposer(DraftModelProposer):
             out = self.model(**model_inputs)
         return out[0] if self.model_returns_tuple() else out
 
-    def propose(
+    def propose(self, *args, **kwargs) -> list[list[int]]:
+        clock = self.stats.clock
+        if clock is None:
+            return self._propose(*args, **kwargs)
+        self._sync()
+        start = time.perf_counter()
+        out = self._propose(*args, **kwargs)
+        self._sync()
+        clock.propose_s += time.perf_counter() - start
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _propose(
         self,
         num_speculative_tokens: int,
         target_token_ids: torch.Tensor,  # [num_tokens]

@@ -18,7 +18,8 @@ request id, deduplicated by sequence position (a round's first row repeats
 the previous round's bonus token), and dropped in `forget`. The window is
 projected to keys/values once, when it arrives (one layer, no RoPE: a
 context token's key and value depend on its own hidden state only), and the
-per-request keys/values are gathered into a padded batch each round.
+per-request keys/values are gathered once per round into a padded buffer
+that also holds the round's drafts: each block projects only its own tokens.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class PacerPolicy(StopPolicy):
         self._ctx: dict[str, torch.Tensor] = {}  # req_id -> [n <= W, H] hidden states of accepted tokens
         self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # req_id -> 2 x [heads, n, d] of _ctx
         self._next_pos: dict[str, int] = {}  # req_id -> sequence position of the next unseen token
+        self._pos_rows: torch.Tensor | None = None  # [cap, H] e_1..e_cap
+        self._causal: torch.Tensor | None = None  # [cap, cap] bool
         # Per round:
-        self._ctx_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # 2 x [B, heads, W', d]
-        self._ctx_valid: torch.Tensor | None = None  # [B, W'] bool
+        self._round: tuple | None = None  # k, v buffers [B, heads, W' + cap, d], mask [B, cap, W' + cap], W'
         self._drafts: torch.Tensor | None = None  # [B, cap, H] h_i of this round's drafts
         self._thr: torch.Tensor | None = None  # [B] current threshold
 
@@ -76,9 +78,14 @@ class PacerPolicy(StopPolicy):
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
         if self.layer.out.weight.device != self.device:
             self.layer.to(self.device)
+            self._pos_rows = None
         b, h = len(req_ids), self.layer.cfg.hidden_size
-        self._ctx_kv, self._ctx_valid = None, None
-        self._drafts = torch.zeros(b, max(cap, 1), h, device=self.device)
+        cap = max(cap, 1)
+        if self._pos_rows is None or self._pos_rows.shape[0] < cap:
+            self._pos_rows = self.layer.position_rows(cap, self.device)  # [cap, H]
+            self._causal = torch.ones(cap, cap, dtype=torch.bool, device=self.device).tril()  # [cap, cap]
+        self._round = None
+        self._drafts = torch.zeros(b, cap, h, device=self.device)
         self._thr = torch.full((b,), self.threshold, device=self.device)
         return [cap] * b
 
@@ -105,15 +112,24 @@ class PacerPolicy(StopPolicy):
             self._ctx[req_id] = ctx[cut:]
             self._kv[req_id] = (k[:, cut:], v[:, cut:])
             rows.append(self._kv[req_id])
+        self._start_round([r[0].shape[1] for r in rows], rows)
+
+    def _start_round(self, counts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This round's key/value buffers [B, heads, W' + cap, d] (context left-aligned, zero padding,
+        then room for the drafts) and its mask [B, cap, W' + cap] (valid context, causal drafts)."""
+        b, cap = self._drafts.shape[:2]
         heads, d = self.layer.cfg.num_heads, self.layer.cfg.hidden_size // self.layer.cfg.num_heads
-        counts = [r[0].shape[1] for r in rows]
         width = max(counts, default=0)
-        k_pad = torch.zeros(len(rows), heads, width, d, device=self.device)  # [B, heads, W', d]
-        v_pad = torch.zeros_like(k_pad)
+        k_buf = torch.zeros(b, heads, width + cap, d, device=self.device)
+        v_buf = torch.zeros_like(k_buf)
         for i, (k, v) in enumerate(rows):
-            k_pad[i, :, : counts[i]], v_pad[i, :, : counts[i]] = k, v
-        self._ctx_valid = (torch.arange(width)[None, :] < torch.tensor(counts)[:, None]).to(self.device)  # [B, W']
-        self._ctx_kv = (k_pad, v_pad)
+            k_buf[i, :, : counts[i]], v_buf[i, :, : counts[i]] = k, v
+        mask = torch.empty(b, cap, width + cap, dtype=torch.bool, device=self.device)
+        if width:
+            valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # [B, W']
+            mask[:, :, :width] = valid.to(self.device)[:, None, :]
+        mask[:, :, width:] = self._causal[:cap, :cap]
+        self._round = (k_buf, v_buf, mask, width)
 
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
@@ -124,13 +140,20 @@ class PacerPolicy(StopPolicy):
         self._drafts[:, t - 1] = hidden.float()  # h of draft token t (1-based), consuming y_{t-1}
         if t % self.block:
             return StepDecision(keep=ok, stop=~ok)
-        b = hidden.shape[0]
-        if self._ctx_kv is None:  # no first pass seen this round: judge on the drafts alone
-            self._ctx_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.device)
-            self._ctx_kv = self.layer.context_kv(torch.zeros(b, 0, self.layer.cfg.hidden_size, device=self.device))
-        logits = self.layer.score(self._ctx_kv, self._ctx_valid, self._drafts[:, :t], t - self.block)  # [B, block]
+        if self._round is None:  # no first pass seen this round: judge on the drafts alone
+            self._start_round([0] * hidden.shape[0], [])
+        k_buf, v_buf, mask, width = self._round
+        first = t - self.block
+        logits = self.layer.score_block(
+            self._drafts[:, first:t],
+            self._pos_rows[first:t],
+            (k_buf, v_buf),
+            width + first,
+            mask[:, first:t, : width + t],
+        )  # [B, block]
         stop = halt(torch.sigmoid(logits), self._thr, self.halting)  # [B]
-        self._thr = torch.where(stop, self._thr, self._thr * self.growth)
+        if self.growth != 1.0:
+            self._thr = torch.where(stop, self._thr, self._thr * self.growth)
         keep = ok & ~stop
         return StepDecision(keep=keep, stop=~keep)
 

@@ -1,0 +1,102 @@
+"""Time a policy inside the engine: `adaptive_spec.time_policy = true`.
+
+The microbenchmark (benchmarks/harness/policy_cost.py) times a policy on
+synthetic tensors; this measures what it costs in the real draft loop, with
+the real batch shapes, contexts and round lengths. `TimedPolicy` wraps the
+policy and adds up the wall time of every call the proposer makes to it;
+the proposer adds up its whole `propose` time, so
+
+    policy share = policy_s / (propose_s - policy_s)
+
+is the policy's time relative to everything else the draft side does
+(first pass, draft forwards, logits, sampling, metadata). `sync` (e.g.
+torch.cuda.synchronize) makes the figures exact on an asynchronous device;
+on CPU every op is synchronous and no sync is needed. Off by default: it
+costs a few perf_counter calls per draft step, plus the syncs on a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy
+
+
+@dataclass
+class Clock:
+    policy_s: float = 0.0  # inside the policy's calls
+    propose_s: float = 0.0  # whole propose() calls, the policy's included
+    rounds: int = 0
+    decides: int = 0  # decide calls = draft steps of the batch
+
+    def as_dict(self) -> dict:
+        draft_s = self.propose_s - self.policy_s
+        return {
+            "policy_s": round(self.policy_s, 6),
+            "propose_s": round(self.propose_s, 6),
+            "rounds": self.rounds,
+            "decides": self.decides,
+            "policy_share": round(self.policy_s / draft_s, 5) if draft_s > 0 else None,
+            "policy_us_per_decide": round(1e6 * self.policy_s / self.decides, 2) if self.decides else None,
+        }
+
+
+class TimedPolicy(StopPolicy):
+    """Delegates every call to `inner`, adding the time spent in it to `clock`."""
+
+    def __init__(self, inner: StopPolicy, clock: Clock, sync: Callable[[], None] | None = None):
+        self.inner, self.clock, self._sync = inner, clock, sync
+        self.name = inner.name
+        self.observes_context = inner.observes_context
+
+    def _start(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+    def _stop(self, start: float) -> None:
+        if self._sync is not None:
+            self._sync()
+        self.clock.policy_s += time.perf_counter() - start
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.inner.device
+
+    @device.setter
+    def device(self, value: torch.device) -> None:
+        self.inner.device = value
+
+    def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
+        start = self._start()
+        out = self.inner.round_limits(req_ids, cap)
+        self._stop(start)
+        self.clock.rounds += 1
+        return out
+
+    def observe_context(self, req_ids, hidden, starts, lengths, positions) -> None:
+        start = self._start()
+        self.inner.observe_context(req_ids, hidden, starts, lengths, positions)
+        self._stop(start)
+
+    def decide(self, logp, tokens, t, hidden=None) -> StepDecision:
+        start = self._start()
+        out = self.inner.decide(logp, tokens, t, hidden)
+        self._stop(start)
+        self.clock.decides += 1
+        return out
+
+    def end_round(self, req_ids, drafted, accepted) -> None:
+        start = self._start()
+        self.inner.end_round(req_ids, drafted, accepted)
+        self._stop(start)
+
+    def forget(self, req_id: str) -> None:
+        self.inner.forget(req_id)
+
+    def num_tracked(self) -> int:
+        return self.inner.num_tracked()
