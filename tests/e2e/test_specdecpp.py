@@ -24,7 +24,8 @@ MIXED_MAX_TOKENS = [(3, 17, 40, 64, 1)[i % 5] for i in range(N_PROMPTS)]
 def specdecpp_llm():
     llm = make_llm(
         speculative_config=spec_config(CAP),
-        additional_config={"adaptive_spec": {"policy": "specdecpp", "head": str(HEAD)}},
+        # time_policy: the timing wrapper sits in the draft loop of this lossless test too.
+        additional_config={"adaptive_spec": {"policy": "specdecpp", "head": str(HEAD), "time_policy": True}},
     )
     yield llm
     close_llm(llm)
@@ -44,6 +45,9 @@ def test_bundled_head_is_lossless_and_adaptive(ref_llm, specdecpp_llm):
     lengths = snap["drafted_len_hist"]
     assert len(lengths) > 1 and max(int(k) for k in lengths) <= CAP, lengths
     assert snap["requests"] == {} and snap["tracked"] == 0, snap
+    timing = snap["timing"]
+    assert timing["rounds"] > 0 and timing["decides"] >= timing["rounds"], timing
+    assert 0 < timing["policy_s"] < timing["propose_s"] and timing["policy_share"] > 0, timing
 
 
 def test_head_for_another_draft_fails_at_startup(tmp_path):

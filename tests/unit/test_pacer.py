@@ -317,3 +317,25 @@ def test_cached_context_keys_values_equal_a_fresh_projection(pacer_file):
         assert mask[i, 0, :width].tolist() == [True] * n + [False] * (width - n)
     p.forget("a")
     assert "a" not in p._kv
+
+
+def test_policy_alphas_equal_the_reference_scoring_on_a_padded_batch(pacer_file):
+    """The policy's incremental path (round buffers, padding, cached keys/values) decides
+    exactly as scoring each whole round afresh with `PacerLayer.score`."""
+    torch.manual_seed(3)
+    p = PacerPolicy(str(pacer_file), block_size=2, threshold=0.5, growth=1.0, context_window=3)
+    p.round_limits(["a", "b"], cap=6)
+    p.observe_context(["a", "b"], torch.randn(5, H) * 3, starts=[0, 4], lengths=[4, 1], positions=[0, 7])
+    ctx = [p._ctx["a"], p._ctx["b"]]  # 3 and 1 tokens: b's context is padded
+    alphas = []
+    real_score_block = p.layer.score_block
+    p.layer.score_block = lambda *a: alphas.append(real_score_block(*a)) or alphas[-1]
+    logp = torch.log(torch.full((2, 4), 0.25))
+    drafts = torch.randn(2, 6, H) * 3
+    for t in range(5):
+        p.decide(logp, torch.zeros(2, dtype=torch.long), t, drafts[:, t - 1] if t else torch.zeros(2, H))
+    padded = torch.zeros(2, 3, H)
+    padded[0], padded[1, :1] = ctx[0], ctx[1]
+    valid = torch.tensor([[True] * 3, [True, False, False]])
+    want = p.layer.score(p.layer.context_kv(padded), valid, drafts[:, :4], first=0)  # [2, 4]
+    torch.testing.assert_close(torch.cat(alphas, dim=1), want, rtol=1e-5, atol=1e-5)

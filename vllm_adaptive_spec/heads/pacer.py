@@ -115,8 +115,12 @@ class PacerLayer(nn.Module):
     def context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of accepted context tokens (no embedding): [B, W, H] -> 2 x [B, heads, W, d].
 
-        One layer: a context token's key and value depend on its own hidden state only."""
-        _, k, v = self._qkv(context)
+        One layer: a context token's key and value depend on its own hidden state only, and
+        its query is never needed (context rows carry no output), so only W_k, W_v are applied."""
+        b, t, h = context.shape
+        nh = self.cfg.num_heads
+        normed = F.rms_norm(context, (h,), self.norm_attn.weight, self.cfg.eps)
+        k, v = F.linear(normed, self.qkv.weight[h:]).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
         return k, v
 
     def score(

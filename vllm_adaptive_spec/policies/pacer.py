@@ -116,18 +116,23 @@ class PacerPolicy(StopPolicy):
 
     def _start_round(self, counts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """This round's key/value buffers [B, heads, W' + cap, d] (context left-aligned, zero padding,
-        then room for the drafts) and its mask [B, cap, W' + cap] (valid context, causal drafts)."""
+        then room for the drafts) and its mask [B, cap, W' + cap] (valid context, causal drafts).
+        Draft slots are written before they are read, so only context padding needs zeros."""
         b, cap = self._drafts.shape[:2]
         heads, d = self.layer.cfg.num_heads, self.layer.cfg.hidden_size // self.layer.cfg.num_heads
         width = max(counts, default=0)
-        k_buf = torch.zeros(b, heads, width + cap, d, device=self.device)
-        v_buf = torch.zeros_like(k_buf)
+        k_buf = torch.empty(b, heads, width + cap, d, device=self.device)
+        v_buf = torch.empty_like(k_buf)
         for i, (k, v) in enumerate(rows):
             k_buf[i, :, : counts[i]], v_buf[i, :, : counts[i]] = k, v
+            if counts[i] < width:
+                k_buf[i, :, counts[i] : width], v_buf[i, :, counts[i] : width] = 0.0, 0.0
         mask = torch.empty(b, cap, width + cap, dtype=torch.bool, device=self.device)
-        if width:
+        if any(n < width for n in counts):
             valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # [B, W']
             mask[:, :, :width] = valid.to(self.device)[:, None, :]
+        else:
+            mask[:, :, :width] = True
         mask[:, :, width:] = self._causal[:cap, :cap]
         self._round = (k_buf, v_buf, mask, width)
 
@@ -137,7 +142,7 @@ class PacerPolicy(StopPolicy):
         ok = finite_rows(logp)  # [B]
         if t == 0 or hidden is None or self._drafts is None:
             return StepDecision(keep=ok, stop=~ok)
-        self._drafts[:, t - 1] = hidden.float()  # h of draft token t (1-based), consuming y_{t-1}
+        self._drafts[:, t - 1] = hidden  # h of draft token t (1-based), consuming y_{t-1} (cast to float32)
         if t % self.block:
             return StepDecision(keep=ok, stop=~ok)
         if self._round is None:  # no first pass seen this round: judge on the drafts alone
