@@ -65,6 +65,24 @@ def greedy(llm, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[list[i
     return vllm_run.generate_tokens(llm, prompts, max_tokens)
 
 
+def released_stats(llm, timeout_s: float = 30.0) -> list[dict]:
+    """`get_stats` once no request state is left, or at the deadline (the caller asserts).
+
+    vLLM hands finished request ids to the workers in the engine step after the one that
+    finished them; a stats call sent right after `generate` returns can reach the worker
+    before that step, more often on a busy machine."""
+    import time
+
+    from vllm_adaptive_spec.integration.runtime import get_stats
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = get_stats(llm)
+        if all(s["requests"] == {} and s["tracked"] == 0 for s in stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
 def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:

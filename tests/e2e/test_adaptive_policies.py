@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.paths import load_prompts
-from tests.conftest import close_llm, first_mismatch, greedy, make_llm, spec_config
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ def test_lossless_batch_of_one(policy_llm, lossless_prompts, lossless_reference)
 
 def test_statistics_and_draft_lengths(policy_llm):
     policy, llm = policy_llm
-    snap = _stats(llm)
+    (snap,) = released_stats(llm)
     work = snap["workload"]
     assert snap["policy"] == policy
     assert work["n_target"] > 0 and work["n_gen"] > work["n_target"]

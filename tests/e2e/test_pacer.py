@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.paths import REPO, load_prompts
-from tests.conftest import close_llm, first_mismatch, greedy, make_llm, spec_config
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +61,6 @@ def pacer_llm():
 
 
 def test_bundled_layer_is_lossless_under_preemption(ref_llm, pacer_llm):
-    from vllm_adaptive_spec.integration.runtime import get_stats
 
     prompts = load_prompts("code_heldout", N_PROMPTS)
     tok = ref_llm.get_tokenizer()
@@ -74,7 +73,7 @@ def test_bundled_layer_is_lossless_under_preemption(ref_llm, pacer_llm):
     assert got == want, first_mismatch(got, want)
     preemptions = sum(m.value for m in pacer_llm.get_metrics() if m.name == "vllm:num_preemptions")
     assert preemptions > 0, "the KV cache was meant to force preemption"
-    (snap,) = get_stats(pacer_llm)
+    (snap,) = released_stats(pacer_llm)
     assert snap["policy"] == "pacer"
     hist = snap["drafted_len_hist"]
     assert len(hist) > 1 and max(int(k) for k in hist) <= CAP, hist

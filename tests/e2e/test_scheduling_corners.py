@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.paths import load_prompts
-from tests.conftest import close_llm, first_mismatch, greedy, make_llm, spec_config
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,6 @@ def work(ref_llm):
 
 
 def test_preemption_prefix_cache_chunked_prefill_model_length(work):
-    from vllm_adaptive_spec.integration.runtime import get_stats
 
     prompts, asked, want = work
     llm = make_llm(
@@ -58,7 +57,7 @@ def test_preemption_prefix_cache_chunked_prefill_model_length(work):
         got = greedy(llm, prompts, asked)
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         prefix_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
-        (snap,) = get_stats(llm)
+        (snap,) = released_stats(llm)
     finally:
         close_llm(llm)
     assert got == want, first_mismatch(got, want)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from benchmarks.paths import REPO, load_prompts
-from tests.conftest import close_llm, first_mismatch, greedy, make_llm, spec_config
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +32,6 @@ def specdecpp_llm():
 
 
 def test_bundled_head_is_lossless_and_adaptive(ref_llm, specdecpp_llm):
-    from vllm_adaptive_spec.integration.runtime import get_stats
 
     prompts = load_prompts("code_heldout", N_PROMPTS)
     want = greedy(ref_llm, prompts, MIXED_MAX_TOKENS)
@@ -40,7 +39,7 @@ def test_bundled_head_is_lossless_and_adaptive(ref_llm, specdecpp_llm):
     assert got == want, first_mismatch(got, want)
     for i in range(3):  # batch of one
         assert greedy(specdecpp_llm, prompts[i : i + 1], 48) == greedy(ref_llm, prompts[i : i + 1], 48)
-    (snap,) = get_stats(specdecpp_llm)
+    (snap,) = released_stats(specdecpp_llm)
     assert snap["policy"] == "specdecpp"
     lengths = snap["drafted_len_hist"]
     assert len(lengths) > 1 and max(int(k) for k in lengths) <= CAP, lengths
