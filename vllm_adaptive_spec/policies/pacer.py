@@ -85,7 +85,7 @@ class PacerPolicy(StopPolicy):
             self._pos_rows = self.layer.position_rows(cap, self.device)  # [cap, H]
             self._causal = torch.ones(cap, cap, dtype=torch.bool, device=self.device).tril()  # [cap, cap]
         self._round = None
-        self._drafts = torch.zeros(b, cap, h, device=self.device)
+        self._drafts = torch.empty(b, cap, h, device=self.device)  # slot i is written before it is read
         self._thr = torch.full((b,), self.threshold, device=self.device)
         return [cap] * b
 
