@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: collective_rpc with a function
@@ -129,7 +130,7 @@ def main() -> None:
     for name in args.configs.split(";"):
         rows += measure(name.strip(), batches, args.repeats, args.tokens)
     OUT.mkdir(parents=True, exist_ok=True)
-    doc = {"rows": rows, "command": " ".join(os.sys.argv), "time": time.strftime("%Y-%m-%d %H:%M")}
+    doc = {"rows": rows, "command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M")}
     (OUT / f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (OUT / f"{args.name}.md").write_text(HEADER + "\n" + "\n".join(_line(r) for r in rows) + "\n")
 

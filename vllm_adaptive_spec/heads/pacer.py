@@ -130,11 +130,12 @@ class PacerLayer(nn.Module):
         drafts: torch.Tensor,
         first: int,
     ) -> torch.Tensor:
-        """One round at inference: the logits of draft tokens first+1..t given the context and all drafts.
+        """One round at once: the logits of draft tokens first+1..t given the context and all drafts.
 
         ctx_kv: from `context_kv`, [B, heads, W, d] each; ctx_valid: [B, W] bool;
         drafts: [B, t, H] hidden states of this round's draft tokens 1..t -> [B, t - first].
-        Equals `forward` on the packed sequence [context; drafts] with the chain mask.
+        Equals `forward` on the packed sequence [context; drafts] with the chain mask. The
+        readable reference for `score_block`, which the policy runs (the tests hold them equal).
         """
         b, t, _ = drafts.shape
         pos = torch.arange(1, t + 1, device=drafts.device).expand(b, t)
