@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,18 @@ def load_head_file(path: str | Path, field: str, expected: dict[str, tuple[int, 
             if not bool(torch.isfinite(got).all()):
                 raise ConfigError(f"{field}: {str(path)!r} tensor {name!r} holds NaN or inf")
     return HeadFile(tensors, meta)
+
+
+def load_head_module(
+    path: str | Path, field: str, build: Callable[[dict[str, Any]], torch.nn.Module]
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The module a head file describes: `build(meta)` makes it (raising ConfigError on bad
+    metadata), then its tensors load with names, shapes and dtype checked against it.
+    Returns it float32, on CPU, in eval mode and frozen, with the file's metadata."""
+    module = build(read_head_meta(path, field))
+    loaded = load_head_file(path, field, {name: tuple(t.shape) for name, t in module.state_dict().items()})
+    module.load_state_dict(loaded.tensors)
+    return module.eval().requires_grad_(False), loaded.meta
 
 
 def resolve_model_dir(model: str | Path) -> Path:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_adaptive_spec.errors import ConfigError
-from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_file, read_head_meta, save_head_file
+from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_module, save_head_file
 
 KIND = "pacer"
 ARCHITECTURE = "pacer"
@@ -173,9 +173,6 @@ class PacerLayer(nn.Module):
         kv[0][:, :, at:end], kv[1][:, :, at:end] = k, v
         return self._finish(x, q, kv[0][:, :, :end], kv[1][:, :, :end], mask)
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(p.shape) for name, p in self.state_dict().items()}
-
 
 # -- masks and halting (pure) --
 
@@ -287,11 +284,7 @@ def _config_from_meta(meta: dict[str, Any], path: str | Path, field: str) -> Pac
 
 def load_pacer(path: str | Path, field: str = "adaptive_spec.head") -> tuple[PacerLayer, dict[str, Any]]:
     """The layer (float32, CPU, eval mode) and its metadata; ConfigError naming `field` on any defect."""
-    cfg = _config_from_meta(read_head_meta(path, field), path, field)
-    layer = PacerLayer(cfg)
-    loaded = load_head_file(path, field, layer.expected_shapes())
-    layer.load_state_dict(loaded.tensors)
-    return layer.eval().requires_grad_(False), loaded.meta
+    return load_head_module(path, field, lambda meta: PacerLayer(_config_from_meta(meta, path, field)))
 
 
 def check_pacer(path: str | Path, draft_model: str | Path, field: str = "adaptive_spec.head") -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vllm_adaptive_spec.errors import ConfigError
-from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_file, read_head_meta, save_head_file
+from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_module, save_head_file
 
 KIND = "specdecpp"
 ARCHITECTURE = "residual-silu-mlp"
@@ -47,9 +47,6 @@ class SpecDecHead(nn.Module):
         for block in self.blocks:
             x = x + nn.functional.silu(block(x))
         return self.out(x).squeeze(-1)
-
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(p.shape) for name, p in self.state_dict().items()}
 
 
 def stop_rule(running: torch.Tensor, p: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +96,7 @@ def _config_from_meta(meta: dict[str, Any], path: str | Path, field: str) -> Spe
 
 def load_specdecpp(path: str | Path, field: str = "adaptive_spec.head") -> tuple[SpecDecHead, dict[str, Any]]:
     """The head (float32, CPU, eval mode) and its metadata; ConfigError naming `field` on any defect."""
-    cfg = _config_from_meta(read_head_meta(path, field), path, field)
-    head = SpecDecHead(cfg)
-    loaded = load_head_file(path, field, head.expected_shapes())
-    head.load_state_dict(loaded.tensors)
-    return head.eval().requires_grad_(False), loaded.meta
+    return load_head_module(path, field, lambda meta: SpecDecHead(_config_from_meta(meta, path, field)))
 
 
 def check_specdecpp(path: str | Path, draft_model: str | Path, field: str = "adaptive_spec.head") -> dict[str, Any]:
