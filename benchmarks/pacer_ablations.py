@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from vllm_adaptive_spec.heads.pacer import load_pacer
+from vllm_adaptive_spec.metrics import replay_row
 from vllm_adaptive_spec.training import data
-from vllm_adaptive_spec.training.pacer import TrainConfig, _row, draft_chains, predict, replay_counts
+from vllm_adaptive_spec.training.pacer import TrainConfig, draft_chains, predict, replay_counts
 from vllm_adaptive_spec.training.specdecpp import is_heldout
 
 DRAFT = Path("benchmarks/models/toy-draft")
@@ -30,7 +31,7 @@ DRAFT = Path("benchmarks/models/toy-draft")
 
 def best_row(alphas, chains, cfg: TrainConfig, block: int, growth: float, rule: str) -> dict:
     rows = [
-        _row(
+        replay_row(
             {"block_size": block, "threshold": t, "growth": growth, "halting": rule},
             replay_counts(alphas, chains, cfg.cap, block, t, growth, rule),
             cfg.cost_ratio,

@@ -75,6 +75,18 @@ def _add_lists(a: list[int], b: list[int]) -> list[int]:
     return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(width)]
 
 
+def replay_row(key: dict, counts: SpecCounts, c: float) -> dict:
+    """One row of a replay table: `key` (the setting) with tau, draft tokens per generated
+    token, discard rate and S(c), rounded for reports."""
+    return {
+        **key,
+        "tau": round(counts.mean_acceptance_length, 4),
+        "draft_per_token": round(counts.n_draft / counts.n_gen, 4),
+        "discard_rate": round(counts.discard_rate, 4),
+        "speedup": round(counts.modeled_speedup(c), 4),
+    }
+
+
 def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead: float = 0.0) -> float:
     """S(c) = 1 / (N_T/N_gen + (N_D/N_gen)/c + o), SpecDec++ eq. 3.1.
 

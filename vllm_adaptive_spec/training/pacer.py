@@ -35,7 +35,7 @@ import torch
 
 from vllm_adaptive_spec.heads.fileformat import draft_identity, project_commit
 from vllm_adaptive_spec.heads.pacer import HALTING, PacerConfig, PacerLayer, build_chain_mask, save_pacer, stop_lengths
-from vllm_adaptive_spec.metrics import SpecCounts, simulate_workload
+from vllm_adaptive_spec.metrics import SpecCounts, replay_row, simulate_workload
 from vllm_adaptive_spec.training import data
 from vllm_adaptive_spec.training.specdecpp import calibration_table, is_heldout
 
@@ -266,21 +266,11 @@ def replay_counts(
     return total
 
 
-def _row(key: dict, counts: SpecCounts, c: float) -> dict[str, Any]:
-    return {
-        **key,
-        "tau": round(counts.mean_acceptance_length, 4),
-        "draft_per_token": round(counts.n_draft / counts.n_gen, 4),
-        "discard_rate": round(counts.discard_rate, 4),
-        "speedup": round(counts.modeled_speedup(c), 4),
-    }
-
-
 def replay_grid(alphas: list[torch.Tensor], chains: list[Chains], cfg: TrainConfig) -> dict[str, Any]:
     """Every (block, threshold, growth) under cfg.halting, beside fixed K and the oracle."""
     c = cfg.cost_ratio
     rows = [
-        _row(
+        replay_row(
             {"block_size": b, "threshold": t, "growth": g},
             replay_counts(alphas, chains, cfg.cap, b, t, g, cfg.halting),
             c,
@@ -288,8 +278,8 @@ def replay_grid(alphas: list[torch.Tensor], chains: list[Chains], cfg: TrainConf
         for b, t, g in itertools.product(cfg.block_sizes, cfg.thresholds, cfg.growths)
     ]
     matches = [ch.label[:, 0].bool().tolist() for ch in chains]
-    fixed = [_row({"fixed_k": k}, simulate_workload(matches, k), c) for k in range(1, cfg.cap + 1)]
-    oracle = _row({"oracle_cap": cfg.cap}, simulate_workload(matches, cfg.cap, oracle=True), c)
+    fixed = [replay_row({"fixed_k": k}, simulate_workload(matches, k), c) for k in range(1, cfg.cap + 1)]
+    oracle = replay_row({"oracle_cap": cfg.cap}, simulate_workload(matches, cfg.cap, oracle=True), c)
     best = max(rows, key=lambda r: r["speedup"])
     paper = next((r for r in rows if (r["block_size"], r["threshold"], r["growth"]) == (4, 0.7, 1.05)), None)
     return {

@@ -29,7 +29,7 @@ import torch
 
 from vllm_adaptive_spec.heads.fileformat import draft_identity, project_commit
 from vllm_adaptive_spec.heads.specdecpp import SpecDecHead, SpecDecHeadConfig, save_specdecpp, stop_lengths
-from vllm_adaptive_spec.metrics import SpecCounts, simulate_workload
+from vllm_adaptive_spec.metrics import SpecCounts, replay_row, simulate_workload
 from vllm_adaptive_spec.training import data
 
 logger = logging.getLogger(__name__)
@@ -193,10 +193,10 @@ def replay_table(
         total = SpecCounts(accepted_per_pos=[0] * cfg.cap, drafted_per_pos=[0] * cfg.cap)
         for match, p_clean, p_branch in cases:
             total.add(replay_greedy(match, p_clean, p_branch, cfg.cap, threshold))
-        rows.append(_counts_row({"threshold": threshold}, total, c))
+        rows.append(replay_row({"threshold": threshold}, total, c))
     matches = [m for m, _, _ in cases]
-    fixed = [_counts_row({"fixed_k": k}, simulate_workload(matches, k), c) for k in range(1, cfg.cap + 1)]
-    oracle = _counts_row({"oracle_cap": cfg.cap}, simulate_workload(matches, cfg.cap, oracle=True), c)
+    fixed = [replay_row({"fixed_k": k}, simulate_workload(matches, k), c) for k in range(1, cfg.cap + 1)]
+    oracle = replay_row({"oracle_cap": cfg.cap}, simulate_workload(matches, cfg.cap, oracle=True), c)
     best = max(rows, key=lambda r: r["speedup"])
     return {
         "responses": len(cases),
@@ -208,16 +208,6 @@ def replay_table(
         "oracle": oracle,
         "best_threshold": best["threshold"],
         "best_fixed_k": max(fixed, key=lambda r: r["speedup"]),
-    }
-
-
-def _counts_row(key: dict, counts: SpecCounts, c: float) -> dict[str, Any]:
-    return {
-        **key,
-        "tau": round(counts.mean_acceptance_length, 4),
-        "draft_per_token": round(counts.n_draft / counts.n_gen, 4),
-        "discard_rate": round(counts.discard_rate, 4),
-        "speedup": round(counts.modeled_speedup(c), 4),
     }
 
 
