@@ -47,8 +47,9 @@ def ref_llm():
 
 @pytest.fixture(scope="session")
 def spec_llm():
-    """vLLM's own draft-model speculation, plugin installed but not configured."""
-    llm = make_llm(speculative_config=spec_config())
+    """vLLM's own draft-model speculation, plugin installed but not configured
+    (with vLLM's per-request spec-decode metrics, which the exact-count test reads)."""
+    llm = make_llm(speculative_config=spec_config(), per_request_spec_decode_metrics="summary")
     yield llm
     close_llm(llm)
 
@@ -59,6 +60,10 @@ def adaptive_llm():
     llm = make_llm(speculative_config=spec_config(), additional_config={"adaptive_spec": {"policy": "fixed"}})
     yield llm
     close_llm(llm)
+
+
+def greedy_params(max_tokens: int = MAX_TOKENS):
+    return vllm_run.greedy_params(max_tokens)
 
 
 def greedy(llm, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[list[int]]:

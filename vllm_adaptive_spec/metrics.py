@@ -104,19 +104,28 @@ def _run_length(match: list[bool], start: int) -> int:
 
 
 def simulate_greedy(match: list[bool], k: int, oracle: bool = False) -> SpecCounts:
-    """Replay greedy speculative decoding over one request.
+    """Replay greedy speculative decoding over one request, counting passes as the engine does.
 
     match[i] is True when the draft's greedy token equals the target's i-th
-    generated token, given the target's prefix. A step at position i drafts
-    K tokens (fixed) or exactly the agreeing run capped at K (oracle), accepts
-    min(run, K) and emits one target token more.
+    generated token, given the target's prefix. Token 0 comes from the
+    prefill pass, which verifies no drafts. Every later pass, at position i,
+    drafts K tokens (fixed) or exactly the agreeing run (oracle), both capped
+    at the n - i - 1 tokens the request can still accept (no draft past
+    max_tokens, as the plugin does); it accepts min(run, cap) and emits one
+    target token more. N_T therefore counts every pass that generated a token,
+    the prefill's included, exactly as the plugin's per-step records do.
     """
-    counts = SpecCounts(n_gen=len(match), accepted_per_pos=[0] * k)
-    i = 0
-    while i < len(match):
-        accepted = min(_run_length(match, i), k)
+    n = len(match)
+    counts = SpecCounts(n_gen=n, accepted_per_pos=[0] * k)
+    if n == 0:
+        return counts
+    counts.n_target, counts.accepted_hist[0] = 1, 1  # the prefill pass: token 0, no drafts
+    i = 1
+    while i < n:
+        cap = min(k, n - i - 1)
+        accepted = min(_run_length(match, i), cap)
         counts.n_target += 1
-        counts.n_draft += accepted if oracle else k
+        counts.n_draft += accepted if oracle else cap
         counts.n_accepted += accepted
         counts.accepted_hist[accepted] += 1
         for j in range(accepted):

@@ -90,17 +90,6 @@ def run_config(config: Config, plan: Plan, out: Path) -> tuple[Path, bool]:
     return result, proc.returncode == 0 and result.exists()
 
 
-def add_policy_costs(results: list[dict]) -> None:
-    """Every plugin policy's own cost per draft step, timed here, one after another (policy_cost.py)."""
-    from benchmarks.harness.policy_cost import policy_cost_s
-    from benchmarks.paths import DRAFT
-
-    draft = json.loads((DRAFT / "config.json").read_text())
-    for res in results:
-        if res["config"]["kind"] == "plugin":
-            res["policy_cost_s"] = policy_cost_s(res["config"]["adaptive"], draft["vocab_size"], draft["hidden_size"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="every configuration, workload and batch size")
@@ -108,6 +97,11 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="run only configurations whose name contains one of these")
     ap.add_argument("--resume", action="store_true", help="keep results of configurations already run")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from the raw results")
+    ap.add_argument(
+        "--compare",
+        type=Path,
+        help="an earlier report.json: the report gains a section on what changed (kept as previous_report.json)",
+    )
     args = ap.parse_args()
     plan = full_plan() if args.full else short_plan()
     out = args.out or default_out(args.full)
@@ -130,7 +124,8 @@ def main() -> None:
     results = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json")) if p.stem in names]
     order = {c.name: i for i, c in enumerate(plan.configs)}
     results.sort(key=lambda r: order.get(r["config"]["name"], 1e9))
-    add_policy_costs(results)
+    if args.compare:
+        (out / "previous_report.json").write_text(args.compare.read_text())
     title = "Benchmark harness: full run" if args.full else "Benchmark harness: short run"
     table = report.write(results, environment(), out, title)
     print(report.headline(table))

@@ -1,13 +1,20 @@
 """Turns the workers' JSON into metrics, a Markdown report and PNG plots.
 
-Metrics follow ALGORITHMS.md. The cost ratio c = t_T / t_D is measured per
+Metrics follow ALGORITHMS.md, on exact counts: every row carries N_T, the
+target passes that generated tokens, counted by the worker the same way for
+every configuration (benchmarks/harness/worker.py), and the oracle replay
+counts passes as the engine does (the prefill pass verifies nothing; no
+draft past max_tokens). The cost ratio c = t_T / t_D is measured per
 workload and batch size from the same timed cells: t_T is a no-speculation
 engine step (seconds per pass / engine steps), t_D the slope of a vLLM
-fixed-K engine step over K (least squares over every K run). Modeled
-speedups S(c) charge the policy's own time: f, its time per draft step as a
-share of a batch-1 draft step t_D (from a batch-1 microbenchmark, or from
-the engine itself with benchmarks/engine_policy_cost.py), is added to every
-drafted token, i.e. o = f (N_D/N_gen) / c target steps per generated token.
+fixed-K engine step over K (least squares over every K run).
+
+One cost scale for the policies: each plugin row carries its policy's time
+measured inside the engine on that very cell (`time_policy`), at the cell's
+batch size. f = policy time / the rest of the draft side's time, both from
+the same passes, is charged on every drafted token: o = f (N_D/N_gen) / c
+target steps per generated token. Nothing is re-timed when the report is
+rebuilt: raw/ reproduces every column.
 """
 
 from __future__ import annotations
@@ -22,20 +29,27 @@ import numpy as np
 from vllm_adaptive_spec.metrics import modeled_speedup
 
 C_PAPER = 4.0  # the papers' 1.3B/33B pair
-ENGINE_COST_JSON = Path(__file__).resolve().parents[1] / "results" / "engine_policy_cost" / "report.json"
 
 
 def derive(row: dict[str, Any]) -> dict[str, Any]:
-    """Counts -> tau, discard and verification rates, draft tokens per generated token."""
-    n_gen, n_acc, n_d = row["n_gen"], row["n_accepted"], row["n_draft"]
-    n_t = row.get("n_target", n_gen - n_acc)
+    """Exact counts -> tau, discard and verification rates, draft tokens per generated token."""
+    n_gen, n_t, n_acc, n_d = row["n_gen"], row["n_target"], row["n_accepted"], row["n_draft"]
     return row | {
-        "n_target": n_t,
         "tau": n_gen / n_t if n_t else float("nan"),
         "discard_rate": (n_d - n_acc) / n_gen if n_gen else float("nan"),
         "verification_rate": n_t / n_gen if n_gen else float("nan"),
         "draft_per_token": n_d / n_gen if n_gen else float("nan"),
     }
+
+
+def policy_share(row: dict[str, Any]) -> float:
+    """f: the policy's time over the rest of the draft side's time, measured on this row's own passes
+    (0 for configurations without a policy)."""
+    t = row.get("policy_timing")
+    if not t or not t.get("policy_s"):
+        return 0.0
+    rest = t["propose_s"] - t["policy_s"]
+    return t["policy_s"] / rest if rest > 0 else float("nan")
 
 
 def _median(xs: list[float]) -> float:
@@ -96,8 +110,6 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
     for res in results:
         if res["config"]["kind"] == "nospec":
             base = {row["cell"]["key"]: row for row in res["cells"]}
-    # The microbenchmark times a policy at batch 1: f = its cost as a share of a batch-1 draft step.
-    t_draft_b1 = _median([r["t_draft_s"] for k, r in ratios.items() if "/b1/" in k])
     rows = []
     for res in results:
         cfg = res["config"]
@@ -106,8 +118,8 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
             cell = row["cell"]
             ref = base.get(cell["key"])
             c = _c_for(cell, ratios)
-            cost = res.get("policy_cost_s", 0.0)
-            f = cost / t_draft_b1 if cost and t_draft_b1 == t_draft_b1 else 0.0
+            f = policy_share(row)
+            timing = row.get("policy_timing") or {}
             tps = _median(row["tokens_per_s"])
             rows.append(
                 row
@@ -127,6 +139,9 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
                     else None,
                     "c": c["c"] if c else None,
                     "policy_cost_frac_of_draft_step": f,
+                    "policy_us_per_draft_step": 1e6 * timing["policy_s"] / timing["decides"]
+                    if timing.get("decides")
+                    else None,
                     "S_measured_c": _charged_speedup(row, c["c"], f) if c else None,
                     "S_c4": _charged_speedup(row, C_PAPER, f),
                 }
@@ -163,12 +178,17 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
     rows, replay = table["rows"], table["replay"]
     lines = [f"# {title}", "", f"Environment: {env.get('summary', '')}", ""]
     lines += [
-        "Metric definitions: ALGORITHMS.md. tau = N_gen/N_T with N_T = N_gen - N_acc (vLLM's counters); "
+        "Metric definitions: ALGORITHMS.md. Counts are exact and counted alike for every configuration: "
+        "N_T = target passes that generated tokens, the prefill pass included (plugin: its own per-step "
+        "records; vLLM: its passes that verified drafts plus one prefill pass per request; oracle: a replay "
+        "that counts passes the same way), tau = N_gen/N_T, N_acc = drafts kept. "
         "S = modeled speedup over no speculation, at the cost ratio c measured on the same cell and at "
-        "c = 4, charging the policy's own time per drafted token ('policy cost / draft step': a batch-1 "
-        "microbenchmark as a share of a batch-1 draft step; the in-engine section below is the better figure); "
-        "'lossless' = share of prompts whose greedy output equals no speculation's on the same cell. "
-        "Wall-clock figures come from a shared 2-core machine: medians of repeats, spread in brackets.",
+        "c = 4, charging the policy's own time per drafted token ('policy cost / draft step' = f: the "
+        "policy's time over the rest of the draft side's time, measured inside the engine on the same cell "
+        "at its batch size). 'lossless' = share of prompts whose greedy output equals no speculation's on "
+        "the same cell. Wall-clock figures come from a shared 2-core machine: medians of repeats, spread "
+        "in brackets; configurations ran one after another (not interleaved), so wall-clock ratios between "
+        "them carry the machine's drift (10-20% within minutes).",
         "",
     ]
     lines += [
@@ -223,7 +243,7 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
                 "Oracle (teacher-forced replay) per cap K: "
                 + ", ".join(f"K={o['k']}: tau {o['tau']:.2f}, S(c=4) {o['S_c4']:.3f}" for o in orc),
             ]
-    lines += engine_cost_section(table)
+    lines += policy_cost_section(table)
     lines += pacer_ablation_section(table)
     timed_keys = sorted({r["cell"]["key"] for r in rows if r["cell"]["timed"]})
     lines += [
@@ -260,66 +280,38 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def engine_costs(
-    table: dict[str, Any], path: Path = ENGINE_COST_JSON, count_key: str = "count/code_heldout/b32/t0"
-) -> list[dict]:
-    """In-engine policy costs (benchmarks/engine_policy_cost.py, batch 1, code prompts) charged
-    to the code count cell's counts: f = policy time per draft step / t_D (timed code b1 cell)."""
-    t_d = table["cost_ratios"].get("timed/code_heldout/b1/t0", {}).get("t_draft_s")
-    if not path.exists() or not t_d:
+def policy_cost_section(table: dict[str, Any]) -> list[str]:
+    """f per plugin configuration and cell, as charged: the cost scale follows the batch size."""
+    rows = [r for r in table["rows"] if r["kind"] == "plugin" and r.get("policy_us_per_draft_step") is not None]
+    keys = sorted({r["cell"]["key"] for r in rows}, key=lambda k: (k.split("/")[1], k.split("/")[0], _batch(k), k))
+    configs = list(dict.fromkeys(r["config"] for r in rows if r["cell"]["timed"]))
+    if not configs:
         return []
-    counts = {r["config"]: r for r in table["rows"] if r["cell"]["key"] == count_key}
-    out = []
-    for e in json.loads(path.read_text())["rows"]:
-        r = counts.get(e["config"])
-        if e["batch"] != 1 or r is None:
-            continue
-        f = e["policy_us_per_decide"] * 1e-6 / t_d
-        out.append(
-            {
-                "config": e["config"],
-                "count_key": count_key,
-                "engine": e,
-                "f": f,
-                "S_c4_no_cost": modeled_speedup(r["n_gen"], r["n_target"], r["n_draft"], C_PAPER),
-                "S_c4_engine_cost": _charged_speedup(r, C_PAPER, f),
-            }
-        )
-    return out
-
-
-def engine_cost_section(table: dict[str, Any]) -> list[str]:
-    rows = table.get("engine_costs") or []
-    if not rows:
-        return []
-    best = best_by(
-        [r for r in table["rows"] if r["cell"]["key"] == "count/code_heldout/b32/t0" and r["family"] == "fixed K"],
-        "S_c4",
-    )
     lines = [
         "",
-        "## Policy cost inside the engine (code prompts, batch 1)",
+        "## Policy cost inside the engine, per cell",
         "",
-        "Measured with `adaptive_spec.time_policy` in vLLM's draft loop (`python -m benchmarks.engine_policy_cost`), "
-        "not on synthetic tensors: the microbenchmark column above "
-        "times the policy alone, on a hot cache, and reads 1.5-2.5x fewer microseconds. "
-        "share = policy time / the rest of the draft side's time; f = policy time per draft step / t_D of the timed "
-        "code b1 cell; S(c=4) charges f per drafted token on the code count cell's counts. "
-        "Noisy: shared 2-core machine.",
+        "Measured with `adaptive_spec.time_policy` in vLLM's draft loop, on the same passes as each cell's "
+        "counts: f = policy time / the rest of the draft side's time (first pass, draft forwards, logits, "
+        "sampling, metadata), and microseconds per draft step of the batch. This f is what every S column "
+        "charges on its cell. Noisy: shared 2-core machine, one engine run per cell.",
         "",
-        "| config | share [min, max] | us / draft step | f | S(c=4) no cost | S(c=4) with in-engine cost "
-        "| vs best fixed K |",
-        "|---|---|---|---|---|---|---|",
+        "| config | " + " | ".join(k for k in keys) + " |",
+        "|---|" + "---|" * len(keys),
     ]
-    for r in rows:
-        e = r["engine"]
-        lo, hi = e["policy_share_range"]
-        rel = r["S_c4_engine_cost"] / best["S_c4"] if best else None
-        lines.append(
-            f"| {r['config']} | {e['policy_share']:.1%} [{lo:.1%}, {hi:.1%}] | {e['policy_us_per_decide']:.0f} "
-            f"| {r['f']:.1%} | {r['S_c4_no_cost']:.3f} | {r['S_c4_engine_cost']:.3f} | {_fmt(rel, '.3f')}x |"
-        )
+    for name in configs:
+        cells = []
+        for key in keys:
+            r = next((r for r in rows if r["config"] == name and r["cell"]["key"] == key), None)
+            cells.append(
+                f"{r['policy_cost_frac_of_draft_step']:.1%} ({r['policy_us_per_draft_step']:.0f} us)" if r else "-"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _batch(key: str) -> int:
+    return int(key.split("/b")[1].split("/")[0])
 
 
 def pacer_ablation_section(table: dict[str, Any], key: str = "count/code_heldout/b32/t0") -> list[str]:
@@ -383,11 +375,49 @@ def headline(table: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def changes_section(table: dict[str, Any], previous: dict[str, Any]) -> list[str]:
+    """What the exact counts and the one cost scale changed against an earlier report, per count cell:
+    tau and S(c=4) (policy cost charged) of every configuration in both, and the oracle's."""
+    old = {(r["config"], r["cell"]["key"]): r for r in previous.get("rows", [])}
+    old_orc = {(r["k"], r["cell"]["key"]): r for r in previous.get("replay", []) if r["oracle"]}
+    keys = sorted({r["cell"]["key"] for r in table["rows"] if not r["cell"]["timed"]})
+    env = previous.get("environment", {})
+    lines = [
+        "",
+        f"## Changes from the previous report (commit {env.get('commit', '?')}, {env.get('date', '?')})",
+        "",
+        "That report took N_T = N_gen - N_acc from vLLM's accepted counter (which counts drafts accepted past "
+        "max_tokens), let the oracle's prefill pass verify drafts, and charged a batch-1 microbenchmark of "
+        "each policy, re-timed at every rebuild, against batch-32 counts. Old -> new, relative change:",
+    ]
+
+    def arrow(a: float, b: float, spec: str) -> str:
+        return f"{format(a, spec)} -> {format(b, spec)} ({(b / a - 1):+.1%})" if a else "-"
+
+    for key in keys:
+        lines += ["", f"{key}:", "", "| config | tau | S (c=4) |", "|---|---|---|"]
+        for r in (r for r in table["rows"] if r["cell"]["key"] == key):
+            o = old.get((r["config"], key))
+            if o is not None:
+                lines.append(
+                    f"| {r['config']} | {arrow(o['tau'], r['tau'], '.3f')} | {arrow(o['S_c4'], r['S_c4'], '.3f')} |"
+                )
+        for r in (r for r in table["replay"] if r["cell"]["key"] == key and r["oracle"] and r["k"] in (8, 16)):
+            o = old_orc.get((r["k"], key))
+            if o is not None:
+                tau, s4 = arrow(o["tau"], r["tau"], ".3f"), arrow(o["S_c4"], r["S_c4"], ".3f")
+                lines.append(f"| oracle, cap {r['k']} | {tau} | {s4} |")
+    return lines
+
+
 def write(results: list[dict], env: dict, out: Path, title: str) -> dict[str, Any]:
     from benchmarks.harness import plots
 
     table = tabulate(results)
-    table["engine_costs"] = engine_costs(table)
     (out / "report.json").write_text(json.dumps({"environment": env, **table}, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(table, env, title) + plots.draw(table, out))
+    md = markdown(table, env, title)
+    previous = out / "previous_report.json"
+    if previous.exists():
+        md += "\n".join(changes_section(table, json.loads(previous.read_text()))) + "\n"
+    (out / "report.md").write_text(md + plots.draw(table, out))
     return table

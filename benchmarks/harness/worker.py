@@ -5,10 +5,27 @@
 JOB holds the configuration, its cells and where the no-speculation outputs
 live (the oracle reads them). Each cell: a short warm-up, then `repeats`
 timed passes over its prompts, sent `batch` at a time (one `generate` call
-per group). Counts come from vLLM's own counters, the same for every vLLM
-configuration: N_D and N_acc are vLLM's spec-decode counters, N_gen the
-generated tokens, and N_T = N_gen - N_acc (every target step emits exactly
-one token of its own). Engine steps come from vLLM's iteration histogram.
+per group).
+
+Counts are exact, and counted alike for every configuration: N_T is the
+number of target passes that generated tokens (the prefill pass included),
+N_gen the tokens returned.
+- plugin configurations: the plugin's own per-step records (get_stats),
+  which see every verification and never draft past max_tokens;
+- vLLM configurations: per request, from vLLM's per-request spec-decode
+  metrics (`per_request_spec_decode_metrics="summary"`), the passes that
+  verified drafts plus the one prefill pass (every later pass of vLLM's
+  draft-model proposer carries drafts; tests/e2e/test_exact_counts.py
+  checks this against the plugin's records); N_acc = N_gen - N_T (every
+  pass emits one token of its own). vLLM's accepted counter also counts
+  drafts accepted past max_tokens and then thrown away; it is kept as
+  `n_accepted_vllm` for comparison.
+N_D is the drafts sent to verification (vLLM's counter; for vLLM's fixed K
+it includes drafts past max_tokens, real draft work). Plugin configurations
+run with `time_policy` on: each cell stores the policy's time and the rest
+of the draft side's time measured in that cell's own engine passes, the
+one cost scale the report charges. Engine steps come from vLLM's iteration
+histogram.
 """
 
 from __future__ import annotations
@@ -41,53 +58,101 @@ def sampling_params(cell: Cell, index: int):
 
 
 def counters(llm) -> dict[str, int]:
-    out = {"n_gen": 0, "n_draft": 0, "n_accepted": 0, "steps": 0}
+    out = {"n_gen": 0, "n_draft": 0, "n_accepted_vllm": 0, "n_drafts": 0, "steps": 0}
     for m in llm.get_metrics():
         if m.name == "vllm:generation_tokens":
             out["n_gen"] += m.value
         elif m.name == "vllm:spec_decode_num_draft_tokens":
             out["n_draft"] += m.value
         elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["n_accepted"] += m.value
+            out["n_accepted_vllm"] += m.value
+        elif m.name == "vllm:spec_decode_num_drafts":
+            out["n_drafts"] += m.value
         elif m.name == "vllm:iteration_tokens_total":
             out["steps"] += m.count
     return out
 
 
-def plugin_hist(llm) -> dict[int, int]:
+def plugin_totals(llm) -> dict[str, Any]:
+    """The plugin's own records, summed over workers: exact counts, draft-length histogram,
+    draft forwards per engine step and the policy's in-engine timing."""
     from vllm_adaptive_spec.integration.runtime import get_stats
 
-    hist: dict[int, int] = {}
+    out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "hist": {}, "forwards": {}}
+    timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
     for snap in get_stats(llm):
-        for length, n in snap["drafted_len_hist"].items():
-            hist[int(length)] = hist.get(int(length), 0) + n
-    return hist
+        for key in ("n_gen", "n_target", "n_draft", "n_accepted"):
+            out[key] += snap["workload"][key]
+        for name, src in (("hist", "drafted_len_hist"), ("forwards", "forwards_per_step")):
+            for k, n in snap[src].items():
+                out[name][int(k)] = out[name].get(int(k), 0) + n
+        for key in timing:
+            timing[key] += snap.get("timing", {}).get(key, 0)
+    return out | {"timing": timing}
 
 
-def run_cell(llm, cell: Cell, plugin: bool) -> dict[str, Any]:
+def _delta(after: dict, before: dict, repeats: int) -> dict:
+    """Per-pass difference of two cumulative snapshots (nested dicts of numbers)."""
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            out[key] = _delta(value, before.get(key, {}), repeats)
+        else:
+            out[key] = (value - before.get(key, 0)) / repeats
+    return out
+
+
+def request_counts(outs: list, speculative: bool) -> dict[str, int]:
+    """Exact N_gen, N_T, N_D and N_acc of finished requests of an engine without the plugin.
+
+    N_T per request: vLLM's verify passes (its per-request acceptance histogram sums to them)
+    plus the prefill pass; without speculation, one pass per token."""
+    out = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0}
+    for o in outs:
+        n_gen = len(o.outputs[0].token_ids)
+        m = o.outputs[0].spec_decode_metrics
+        if speculative and m is None:
+            raise RuntimeError("speculative engine without per-request spec-decode metrics (see make_llm's kwargs)")
+        n_target = sum(m.histogram) + 1 if speculative else n_gen
+        out["n_gen"] += n_gen
+        out["n_target"] += n_target
+        out["n_draft"] += m.num_draft_tokens if speculative else 0
+        out["n_accepted"] += n_gen - n_target
+    return out
+
+
+def run_cell(llm, cell: Cell, kind: str) -> dict[str, Any]:
+    plugin = kind == "plugin"
     prompts = load_prompts(cell.workload, cell.n_prompts)
     params = [sampling_params(cell, i) for i in range(len(prompts))]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    before, hist0 = counters(llm), plugin_hist(llm) if plugin else {}
-    seconds, outputs = [], None
+    before, own0 = counters(llm), plugin_totals(llm) if plugin else {}
+    seconds, outputs, exact = [], None, {}
     for _ in range(cell.repeats):
         start, outs = time.perf_counter(), []
         for i in range(0, len(prompts), cell.batch):
             outs += llm.generate(prompts[i : i + cell.batch], params[i : i + cell.batch], use_tqdm=False)
         seconds.append(time.perf_counter() - start)
         outputs = outputs or [list(o.outputs[0].token_ids) for o in outs]
-    after, hist1 = counters(llm), plugin_hist(llm) if plugin else {}
-    delta = {key: (after[key] - before[key]) / cell.repeats for key in after}  # per pass
-    return {
-        "cell": cell.__dict__ | {"key": cell.key},
-        "seconds": seconds,
-        "tokens_per_s": [sum(map(len, outputs)) / s for s in seconds],
-        **delta,
-        "draft_len_hist": {k: (hist1.get(k, 0) - hist0.get(k, 0)) / cell.repeats for k in sorted(hist1)},
-        "output_hashes": [token_hash(ids) for ids in outputs],
-        "_outputs": outputs,
-        "_prompt_ids": None,
-    }
+        if not plugin:
+            counts = request_counts(outs, speculative=kind != "nospec")
+            exact = {k: exact.get(k, 0) + v / cell.repeats for k, v in counts.items()}
+    delta = _delta(counters(llm), before, cell.repeats)
+    row: dict[str, Any] = {"cell": cell.__dict__ | {"key": cell.key}, "seconds": seconds}
+    row["tokens_per_s"] = [sum(map(len, outputs)) / s for s in seconds]
+    row |= delta  # vLLM's counters; the exact counts below replace n_gen and n_draft
+    if plugin:
+        own = _delta(plugin_totals(llm), own0, cell.repeats)
+        row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted")}
+        row["draft_len_hist"] = dict(sorted(own["hist"].items()))
+        row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
+        row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
+    else:
+        row |= exact
+        row["draft_len_hist"] = {}
+    row["output_hashes"] = [token_hash(ids) for ids in outputs]
+    row["_outputs"], row["_prompt_ids"] = outputs, None
+    return row
 
 
 def run_engine(config: Config, cells: list[Cell]) -> list[dict]:
@@ -96,10 +161,13 @@ def run_engine(config: Config, cells: list[Cell]) -> list[dict]:
         kwargs["speculative_config"] = vllm_run.spec_config(config.k) | {
             "num_speculative_tokens_per_batch_size": config.dynamic
         }
+    if config.kind == "vllm":
+        kwargs["per_request_spec_decode_metrics"] = "summary"  # exact passes per request
     k = config.k if config.kind in ("vllm", "plugin") and config.dynamic is None else None
-    llm = vllm_run.make_llm(k=k, adaptive=config.adaptive, **kwargs)
+    adaptive = None if config.adaptive is None else {**config.adaptive, "time_policy": True}
+    llm = vllm_run.make_llm(k=k, adaptive=adaptive, **kwargs)
     try:
-        rows = [run_cell(llm, cell, plugin=config.kind == "plugin") for cell in cells]
+        rows = [run_cell(llm, cell, config.kind) for cell in cells]
         if config.kind == "nospec":  # the oracle needs the exact prompt ids
             tok = llm.get_tokenizer()
             for row in rows:
@@ -130,6 +198,7 @@ def run_hf(config: Config, cells: list[Cell]) -> list[dict]:
                 "n_gen": r["n_gen"],
                 "n_draft": r["n_draft"],
                 "n_accepted": r["n_accepted"],
+                "n_target": r["n_target"],
                 "steps": r["n_target"],
                 "draft_len_hist": r["draft_len_hist"],
                 "output_hashes": [token_hash(ids) for ids in r["outputs"]],

@@ -19,7 +19,7 @@ def _cell(key_kind: str, batch: int, temperature: float = 0.0) -> dict:
 def _row(cell: dict, seconds: float, steps: int, n_gen=16, n_draft=0, n_acc=0, hashes=("a", "b")) -> dict:
     return {"cell": cell, "seconds": [seconds * 0.9, seconds, seconds * 1.1],
         "tokens_per_s": [n_gen / seconds / f for f in (0.9, 1.0, 1.1)],
-            "n_gen": n_gen, "n_draft": n_draft, "n_accepted": n_acc, "steps": steps,
+            "n_gen": n_gen, "n_target": n_gen - n_acc, "n_draft": n_draft, "n_accepted": n_acc, "steps": steps,
             "draft_len_hist": {}, "output_hashes": list(hashes)}  # fmt: skip
 
 
@@ -46,8 +46,7 @@ def _results() -> list[dict]:
 
 
 def test_derive_uses_algorithms_definitions():
-    r = report.derive({"n_gen": 20, "n_draft": 12, "n_accepted": 10})
-    assert r["n_target"] == 10  # every target step emits one token of its own
+    r = report.derive({"n_gen": 20, "n_target": 10, "n_draft": 12, "n_accepted": 10})
     assert r["tau"] == 2.0 and r["discard_rate"] == pytest.approx(0.1)
     assert r["verification_rate"] == 0.5 and r["draft_per_token"] == pytest.approx(0.6)
 
@@ -110,21 +109,35 @@ def test_headline_reads_timed_cells_of_its_own_workload():
     assert line.split()[-1] == "1.00x", line
 
 
-def test_in_engine_policy_costs_are_charged(tmp_path):
-    path = tmp_path / "engine.json"
-    row = {"config": "vLLM K=2", "batch": 1, "policy_us_per_decide": 50.0, "policy_share": 0.1,
-           "policy_share_range": [0.09, 0.11]}  # fmt: skip
-    path.write_text(json.dumps({"rows": [row, row | {"batch": 16}, row | {"config": "absent"}]}))
+def test_policy_cost_is_charged_from_the_cells_own_timing():
+    """One cost scale: f comes from the policy timing stored with the row (same passes, same batch size),
+    never from a batch-1 figure or a re-timing when the report is rebuilt."""
+    results = _results()
+    count = _cell("count", 8)
+    plugin = _row(count, 0.1, 8, n_draft=16, n_acc=8) | {
+        "policy_timing": {"policy_s": 0.02, "propose_s": 0.22, "decides": 400, "rounds": 100}
+    }
+    cfg = _cfg("svip", "plugin", "svip", 16)
+    results.insert(-1, {"config": cfg, "cells": [plugin | {"cell": _cell("timed", 1)}, plugin]})
+    table = report.tabulate(results)
+    row = next(r for r in table["rows"] if r["config"] == "svip" and r["cell"]["key"] == count["key"])
+    # f = 0.02 / (0.22 - 0.02) = 0.1 of the rest of the draft side; N_T/N_gen 0.5, N_D/N_gen 1, c = 4
+    assert row["policy_cost_frac_of_draft_step"] == pytest.approx(0.1)
+    assert row["policy_us_per_draft_step"] == pytest.approx(50.0)
+    assert row["S_c4"] == pytest.approx(1 / (0.5 + 0.25 + 0.1 * 1.0 / 4))
+    assert "| svip | 10.0% (50 us) | 10.0% (50 us) |" in "\n".join(report.policy_cost_section(table))
+    k2 = next(r for r in table["rows"] if r["config"] == "vLLM K=2" and r["cell"]["key"] == count["key"])
+    assert k2["policy_cost_frac_of_draft_step"] == 0.0
+
+
+def test_changes_section_compares_with_an_earlier_report():
     table = report.tabulate(_results())
-    (got,) = report.engine_costs(table, path, count_key="count/code_heldout/b8/t0")
-    # t_D = 0.5 ms -> f = 0.1 of a draft step per drafted token; N_T/N_gen 0.5, N_D/N_gen 1, c = 4
-    assert got["f"] == pytest.approx(0.1)
-    assert got["S_c4_engine_cost"] == pytest.approx(1 / (0.5 + 0.25 + 0.1 * 1.0 / 4))
-    table["engine_costs"] = [got]
-    assert "| vLLM K=2 | 10.0% [9.0%, 11.0%] | 50 | 10.0% | 1.333 | 1.290 |" in "\n".join(
-        report.engine_cost_section(table)
-    )
-    assert report.engine_costs(table, tmp_path / "missing.json") == []
+    old = json.loads(json.dumps(table))
+    for r in old["rows"]:
+        r["tau"] *= 1.1
+    old["environment"] = {"commit": "abc1234", "date": "yesterday"}
+    md = "\n".join(report.changes_section(table, old))
+    assert "commit abc1234" in md and "| vLLM K=2 | 2.200 -> 2.000 (-9.1%) |" in md
 
 
 def test_pacer_ablations_change_one_setting_on_code_count_cells_only():

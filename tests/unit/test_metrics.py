@@ -10,15 +10,30 @@ T, F = True, False
 
 
 def test_fixed_k_by_hand():
-    # runs: at 0 -> 2 matches then miss; at 3 -> 4 matches (capped at K=3)
     match = [T, T, F, T, T, T, T, F]
     c = simulate_greedy(match, k=3)
-    # step 1: accept 2, emit 3 (pos 0..2); step 2 at 3: accept 3, emit 4 (3..6); step 3 at 7: accept 0
-    assert (c.n_target, c.n_draft, c.n_accepted) == (3, 9, 5)
-    assert c.accepted_hist == {2: 1, 3: 1, 0: 1}
-    assert c.accepted_per_pos == [2, 2, 1]
-    assert c.mean_acceptance_length == pytest.approx(8 / 3)
-    assert c.discard_rate == pytest.approx(4 / 8)
+    # prefill: token 0, no drafts; at 1: 3 drafts, run 1 -> emit 2 (1..2); at 3: 3 drafts, run 4 capped
+    # at 3 -> emit 4 (3..6); at 7: the last token, nothing left to draft (max_tokens) -> emit 1
+    assert (c.n_target, c.n_draft, c.n_accepted) == (4, 6, 4)
+    assert c.accepted_hist == {0: 2, 1: 1, 3: 1}
+    assert c.accepted_per_pos == [2, 1, 1]
+    assert c.mean_acceptance_length == pytest.approx(8 / 4)
+    assert c.discard_rate == pytest.approx(2 / 8)
+
+
+def test_prefill_pass_verifies_no_drafts():
+    # Regression: the replay let the prefill pass verify drafts of token 0 (about 1.5% optimistic).
+    # A response whose draft agrees everywhere still pays the prefill pass on its own.
+    assert simulate_greedy([T], k=4).n_target == 1
+    assert simulate_greedy([T, T], k=4).n_target == 2
+    assert simulate_greedy([T] * 5, k=4, oracle=True).n_target == 2
+
+
+def test_never_drafts_past_max_tokens():
+    # Regression: vLLM's fixed-K counters count drafts accepted past max_tokens; the replay caps each
+    # round at the tokens the request can still accept, as the plugin does.
+    c = simulate_greedy([T] * 6, k=16)
+    assert (c.n_target, c.n_draft, c.n_accepted) == (2, 4, 4)
 
 
 def test_oracle_discards_nothing_and_needs_no_more_steps():
@@ -31,15 +46,15 @@ def test_oracle_discards_nothing_and_needs_no_more_steps():
 
 
 def test_all_match_and_none_match():
-    assert simulate_greedy([T] * 9, k=2).n_target == 3
+    assert simulate_greedy([T] * 9, k=2).n_target == 4  # prefill, then runs of 2, 2 and the last 1
     none = simulate_greedy([F] * 5, k=4)
-    assert (none.n_target, none.n_accepted, none.n_draft) == (5, 0, 20)
+    assert (none.n_target, none.n_accepted, none.n_draft) == (5, 0, 3 + 2 + 1)
 
 
 def test_workload_sums_and_speedup():
     w = simulate_workload([[T, F], [T, T, T]], k=2)
-    # [T, F]: accept 1, emit 2; [T, T, T]: accept 2, emit 3: one step each
-    assert (w.n_gen, w.n_target, w.n_accepted, w.n_draft) == (5, 2, 3, 4)
+    # [T, F]: prefill, then the last token alone; [T, T, T]: prefill, then accept 1 and emit 2
+    assert (w.n_gen, w.n_target, w.n_accepted, w.n_draft) == (5, 4, 1, 1)
     # modeled speedup: no drafts, one step per token -> 1.0
     assert modeled_speedup(10, 10, 0, c=4) == pytest.approx(1.0)
     assert modeled_speedup(10, 5, 10, c=2) == pytest.approx(1 / (0.5 + 0.5))

@@ -250,8 +250,8 @@ def test_replay_counts_follow_the_rounds():
     ch = fake_chains()  # runs 2, 0, 4, 1, 0 at response positions 0..4
     alpha = torch.full((5, 4), 0.9)  # never stops: rounds capped by k and the response end
     counts = replay_counts([alpha], [ch], k=4, block=2, threshold=0.5, growth=1.0, rule="mean")
-    # j=0: limit 4, length 4, accepts 2 -> j=3: limit 1, accepts 1 -> j=5 done.
-    assert counts.n_target == 2 and counts.n_draft == 5 and counts.n_gen == 5
+    # prefill emits token 0 -> j=1: limit 3, length 3, accepts 0 -> j=2: limit 2, accepts 2 -> j=5 done.
+    assert counts.n_target == 3 and counts.n_draft == 5 and counts.n_gen == 5
 
 
 # -- the policy --

@@ -114,12 +114,14 @@ def test_replay_without_stopping_is_fixed_k():
 
 
 def test_replay_stops_on_risk():
-    match = [True, True, False, True, True, True]
-    # p of token y_i; the draft's wrong token at 2 and its rollout get 0.1
-    p_clean = [0.95, 0.95, None, 0.95, 0.95, 0.95]
-    branch = {2: [0.1, 0.1, 0.1]}
+    # position 0 is the prefill's token (no drafts); the draft's wrong token at 3 and its rollout get 0.1
+    match = [True, True, True, False, True, True, True]
+    p_clean = [0.95, 0.95, 0.95, None, 0.95, 0.95, 0.95]
+    branch = {3: [0.1, 0.1, 0.1]}
     got = replay_greedy(match, p_clean, branch, k=4, threshold=0.3)
-    # round at 0: risks 0.05, 0.0975, then 1 - 0.9025 * 0.1 > 0.3 -> stop after 3 drafts, accept 2
-    # round at 3: limit min(4, 6 - 1 - 3) = 2: drafts 2 (never judged past the cap), accepts 2
-    assert got.n_target == 2 and got.n_draft == 5 and got.n_accepted == 4 and got.n_gen == 6
-    assert replay_greedy(match, [0.5] * 6, {2: [0.5] * 3}, k=4, threshold=0.3).n_draft == got.n_target + 1
+    # round at 1: risks 0.05, 0.0975, then 1 - 0.9025 * 0.1 > 0.3 -> stop after 3 drafts, accept 2
+    # round at 4: limit min(4, 7 - 1 - 4) = 2: drafts 2 (never judged past the cap), accepts 2
+    assert (got.n_target, got.n_draft, got.n_accepted, got.n_gen) == (3, 5, 4, 7)
+    # every risk above the threshold after one token: one draft per round, none at the last token
+    flat = replay_greedy(match, [0.5] * 7, {3: [0.5] * 3}, k=4, threshold=0.3)
+    assert (flat.n_target, flat.n_draft) == (5, 3)

@@ -1,8 +1,8 @@
 """Time a policy inside the engine: `adaptive_spec.time_policy = true`.
 
-The microbenchmark (benchmarks/harness/policy_cost.py) times a policy on
-synthetic tensors; this measures what it costs in the real draft loop, with
-the real batch shapes, contexts and round lengths. `TimedPolicy` wraps the
+This measures what a policy costs in the real draft loop, with the real
+batch shapes, contexts and round lengths (the benchmark harness runs every
+plugin configuration with it on). `TimedPolicy` wraps the
 policy and adds up the wall time of every call the proposer makes to it;
 the proposer adds up its whole `propose` time, so
 

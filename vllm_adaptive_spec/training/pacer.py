@@ -256,7 +256,8 @@ def replay_counts(
         # A smaller cap L only cuts: the rule's length under L is min(its length under k, L)
         # (alpha is NaN only past the response's end, beyond any round's cap).
         lengths = stop_lengths(alpha[:, :k], block, threshold, growth, rule).tolist()  # [R]
-        i = 0
+        total.record_step(0, 0)  # the prefill pass emits token 0 and verifies no drafts (as the engine)
+        i = 1
         while i < n:
             limit = min(k, n - 1 - i)  # never past the response's end (vLLM: max_tokens)
             length = min(lengths[i], limit)

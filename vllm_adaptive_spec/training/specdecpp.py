@@ -156,7 +156,9 @@ def replay_greedy(match: list[bool], p_clean: list[float], p_branch: dict[int, l
     at mismatch position j. Returns SpecCounts.
     """
     counts = SpecCounts(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
-    n, i = len(match), 0
+    n, i = len(match), 1
+    if n:
+        counts.record_step(0, 0)  # the prefill pass emits token 0 and verifies no drafts (as the engine)
     while i < n:
         limit = min(k, n - 1 - i)  # never past the response's end (vLLM: max_tokens)
         run = 0
