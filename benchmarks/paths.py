@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "benchmarks" / "models"
-TARGET = MODELS / "toy-target"
-DRAFT = MODELS / "toy-draft"
+# The harness points its workers at cost-scaled copies (benchmarks/scaled_models.py) through these.
+TARGET_ENV, DRAFT_ENV = "VLLM_ADAPTIVE_SPEC_BENCH_TARGET", "VLLM_ADAPTIVE_SPEC_BENCH_DRAFT"
+TARGET = Path(os.environ.get(TARGET_ENV) or MODELS / "toy-target")
+DRAFT = Path(os.environ.get(DRAFT_ENV) or MODELS / "toy-draft")
 PROMPTS = REPO / "benchmarks" / "prompts"
 
 

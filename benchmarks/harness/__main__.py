@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.harness import report
-from benchmarks.harness.plan import Config, Plan, default_out, full_plan, short_plan
+from benchmarks.harness.plan import Cell, Config, Plan, default_out, full_plan, regime_plan, short_plan
 from benchmarks.paths import REPO
 
 
@@ -68,10 +68,13 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.=]+", "_", name).strip("_")
 
 
-def run_config(config: Config, plan: Plan, out: Path) -> tuple[Path, bool]:
+ENGINE_KINDS = ("nospec", "vllm", "plugin")  # configurations with a vLLM engine: timed interleaved
+
+
+def run_config(config: Config, plan: Plan, out: Path, cells: list[Cell]) -> tuple[Path, bool]:
     job = {
         "config": config.to_dict(),
-        "cells": [c.__dict__ for c in plan.cells_for(config)],
+        "cells": [c.__dict__ for c in cells],
         "nospec_outputs": str(out / "nospec_outputs.json"),
         "oracle_ks": list(plan.oracle_ks),
     }
@@ -90,6 +93,98 @@ def run_config(config: Config, plan: Plan, out: Path) -> tuple[Path, bool]:
     return result, proc.returncode == 0 and result.exists()
 
 
+def run_interleaved(configs: list[Config], plan: Plan, out: Path, group_size: int, resume: bool) -> list[str]:
+    """Phase two: the timed cells of every engine configuration, interleaved in groups (interleaved.py).
+    Rows join each configuration's raw file beside its count cells."""
+    from benchmarks.harness.interleaved import groups_of, run_group
+
+    timed = [c for c in configs if c.kind in ENGINE_KINDS and any(x.timed for x in plan.cells_for(c))]
+    if not timed:
+        return []
+    if not any(c.kind == "nospec" for c in timed):
+        timed.insert(0, next(c for c in plan.configs if c.kind == "nospec"))
+    failed = []
+    groups = groups_of(timed, group_size)
+    drift: dict[str, list[dict]] = {}
+    for index, members in enumerate(tqdm(groups, desc="interleaved groups", unit="group")):
+        cells = [x for x in plan.cells if x.timed and all(x in plan.cells_for(c) for c in members)]
+        if resume and all(_has_timed(out, c) for c in members[1:]):
+            continue
+        try:
+            rows = run_group(members, cells, out / "logs", index)
+        except Exception as exc:  # noqa: BLE001  (one failed group must not lose the others)
+            tqdm.write(f"FAILED: interleaved group {index} ({[c.name for c in members]}): {exc}")
+            failed += [c.name for c in members[1:]]
+            continue
+        for cfg in members:
+            if cfg.kind == "nospec":
+                for row in rows[cfg.name]:
+                    drift.setdefault(row["cell"]["key"], []).append(
+                        {"group": index, "tokens_per_s": row["tokens_per_s"], "seconds": row["seconds"]}
+                    )
+                if index > 0 and _has_timed(out, cfg):
+                    continue  # the first group's no-speculation rows are the reference ones
+            _merge_timed(out, cfg, rows[cfg.name])
+    if drift:
+        path = out / "raw" / f"{slug(timed[0].name)}.json"
+        res = json.loads(path.read_text())
+        res["drift"] = drift  # no speculation's tokens/s in every group, run at different times
+        path.write_text(json.dumps(res, indent=1) + "\n")
+    return failed
+
+
+def _raw(out: Path, config: Config) -> Path:
+    return out / "raw" / f"{slug(config.name)}.json"
+
+
+def _has_timed(out: Path, config: Config) -> bool:
+    path = _raw(out, config)
+    return path.exists() and any(r["cell"]["timed"] for r in json.loads(path.read_text()).get("cells", []))
+
+
+def _merge_timed(out: Path, config: Config, rows: list[dict]) -> None:
+    path = _raw(out, config)
+    res = json.loads(path.read_text()) if path.exists() else {"config": config.to_dict(), "cells": []}
+    res["cells"] = [r for r in res["cells"] if not r["cell"]["timed"]] + rows
+    path.write_text(json.dumps(res, indent=1) + "\n")
+
+
+def use_scaled_models(args: argparse.Namespace, plan: Plan) -> str:
+    """Point every worker at cost-scaled copies of the pair (built once, cached); returns the out-dir suffix."""
+    from benchmarks import paths
+    from benchmarks.scaled_models import scaled_copy
+
+    suffix = ""
+    if args.target_mlp_factor > 1:
+        os.environ[paths.TARGET_ENV] = str(scaled_copy(paths.TARGET, args.target_mlp_factor))
+        suffix += f"_target-mlp{args.target_mlp_factor}"
+    if args.draft_mlp_factor > 1:
+        os.environ[paths.DRAFT_ENV] = str(scaled_copy(paths.DRAFT, args.draft_mlp_factor))
+        suffix += f"_draft-mlp{args.draft_mlp_factor}"
+        # Trained heads carry the fingerprint of the draft's weights: they do not load on a scaled draft.
+        dropped = [c.name for c in plan.configs if c.adaptive and "head" in c.adaptive]
+        plan.configs[:] = [c for c in plan.configs if not (c.adaptive and "head" in c.adaptive)]
+        plan.notes.append(f"scaled draft: configurations with trained heads left out ({len(dropped)})")
+    return suffix
+
+
+def check_same_tokens(results: list[dict], unscaled: Path, out: Path) -> None:
+    """A scaled copy computes the original's function: its greedy outputs must equal the unscaled
+    pair's on every cell both ran (no-speculation rows, output hashes). Written to same_tokens.json."""
+    mine = next((r for r in results if r["config"]["kind"] == "nospec"), None)
+    if mine is None or not unscaled.exists():
+        return
+    ref = {r["cell"]["key"]: r["output_hashes"] for r in json.loads(unscaled.read_text())["cells"]}
+    checked = {
+        r["cell"]["key"]: r["output_hashes"] == ref[r["cell"]["key"]]
+        for r in mine["cells"]
+        if r["cell"]["key"] in ref and r["cell"]["temperature"] == 0.0
+    }
+    (out / "same_tokens.json").write_text(json.dumps({"against": str(unscaled), "cells": checked}, indent=1) + "\n")
+    if not all(checked.values()):
+        raise SystemExit(f"scaled copies generated other tokens than the unscaled pair: {checked}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="every configuration, workload and batch size")
@@ -102,9 +197,18 @@ def main() -> None:
         type=Path,
         help="an earlier report.json: the report gains a section on what changed (kept as previous_report.json)",
     )
+    ap.add_argument(
+        "--sequential", action="store_true", help="time configurations one after another instead of interleaved"
+    )
+    ap.add_argument("--group-size", type=int, default=6, help="engines alive at once when interleaving (memory)")
+    ap.add_argument("--target-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the target")
+    ap.add_argument("--draft-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the draft")
+    ap.add_argument("--regime", action="store_true", help="the batch-1 regime plan (use with the mlp factors)")
     args = ap.parse_args()
-    plan = full_plan() if args.full else short_plan()
-    out = args.out or default_out(args.full)
+    plan = regime_plan() if args.regime else full_plan() if args.full else short_plan()
+    suffix = use_scaled_models(args, plan)
+    base = default_out(args.full).with_name("regime") if args.regime else default_out(args.full)
+    out = args.out or base.with_name(base.name + suffix)
     out.mkdir(parents=True, exist_ok=True)
     configs = [c for c in plan.configs if not args.only or any(o in c.name for o in args.only)]
     # no speculation first (the others compare with it), the oracle last (it replays its outputs)
@@ -114,19 +218,28 @@ def main() -> None:
         bar = tqdm(configs, desc="configurations", unit="cfg")
         for config in bar:
             bar.set_postfix_str(config.name)
-            if args.resume and (out / "raw" / f"{slug(config.name)}.json").exists():
+            cells = plan.cells_for(config)
+            if not args.sequential and config.kind in ENGINE_KINDS:
+                cells = [c for c in cells if not c.timed]  # timed below, interleaved
+            if not cells or (args.resume and _raw(out, config).exists()):
                 continue
-            _, ok = run_config(config, plan, out)
+            _, ok = run_config(config, plan, out, cells)
             if not ok:
                 failed.append(config.name)
                 tqdm.write(f"FAILED: {config.name} (see {out / 'logs' / (slug(config.name) + '.log')})")
+        if not args.sequential:
+            failed += run_interleaved(configs, plan, out, args.group_size, args.resume)
     names = {slug(c.name) for c in plan.configs}
     results = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json")) if p.stem in names]
     order = {c.name: i for i, c in enumerate(plan.configs)}
     results.sort(key=lambda r: order.get(r["config"]["name"], 1e9))
     if args.compare:
         (out / "previous_report.json").write_text(args.compare.read_text())
+    if suffix:
+        check_same_tokens(results, default_out(True) / "raw" / "no_speculation.json", out)
     title = "Benchmark harness: full run" if args.full else "Benchmark harness: short run"
+    if suffix:
+        title += f" (cost-scaled copies:{suffix.replace('_', ' ')})"
     table = report.write(results, environment(), out, title)
     print(report.headline(table))
     print(f"\nreport: {out / 'report.md'}")

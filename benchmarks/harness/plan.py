@@ -217,5 +217,25 @@ def short_plan() -> Plan:
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16))
 
 
+def regime_plan() -> Plan:
+    """Batch-1 wall clock on cost-scaled copies (--target-mlp-factor / --draft-mlp-factor): fixed K,
+    vLLM's dynamic SD and every policy at its default, interleaved. The cells are the full plan's
+    timed greedy batch-1 cells, so the scaled run's tokens can be checked against the unscaled run's."""
+    names = {
+        "no speculation",
+        *(f"vLLM K={k}" for k in (1, 2, 3, 4, 6)),
+        "vLLM dynamic SD",
+        "svip h=0.3 (default)",
+        "confidence 0.4 (default)",
+        "heuristic (default)",
+        "specdecpp th=0.8 (head default)",
+        "pacer (layer defaults)",
+    }
+    full = full_plan()
+    configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
+    cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
+    return Plan(configs, cells, notes=["regime: batch 1, greedy, timed cells only; counts are the cells' own"])
+
+
 def default_out(full: bool) -> Path:
     return REPO / "benchmarks" / "results" / ("harness" if full else "harness_short")

@@ -121,41 +121,66 @@ def request_counts(outs: list, speculative: bool) -> dict[str, int]:
     return out
 
 
+class CellRun:
+    """One cell on one engine, in steps a coordinator can interleave with other engines:
+    `CellRun(...)` warms up and snapshots the counters, `run_group(repeat, g)` times one
+    `generate` call over prompt group g, `finish()` returns the row."""
+
+    def __init__(self, llm, cell: Cell, kind: str):
+        self.llm, self.cell, self.kind, self.plugin = llm, cell, kind, kind == "plugin"
+        self.prompts = load_prompts(cell.workload, cell.n_prompts)
+        self.params = [sampling_params(cell, i) for i in range(len(self.prompts))]
+        self.groups = [(i, min(i + cell.batch, len(self.prompts))) for i in range(0, len(self.prompts), cell.batch)]
+        llm.generate(self.prompts[:2], self.params[:2], use_tqdm=False)  # warm-up
+        self.before, self.own0 = counters(llm), plugin_totals(llm) if self.plugin else {}
+        self.seconds = [0.0] * cell.repeats
+        self.outputs: list[list[int] | None] = [None] * len(self.prompts)
+        self.exact: dict[str, float] = {}
+
+    def run_group(self, repeat: int, g: int) -> float:
+        lo, hi = self.groups[g]
+        start = time.perf_counter()
+        outs = self.llm.generate(self.prompts[lo:hi], self.params[lo:hi], use_tqdm=False)
+        took = time.perf_counter() - start
+        self.seconds[repeat] += took
+        if repeat == 0:
+            self.outputs[lo:hi] = [list(o.outputs[0].token_ids) for o in outs]
+        if not self.plugin:
+            counts = request_counts(outs, speculative=self.kind != "nospec")
+            self.exact = {k: self.exact.get(k, 0) + v / self.cell.repeats for k, v in counts.items()}
+        return took
+
+    def finish(self) -> dict[str, Any]:
+        cell, outputs = self.cell, self.outputs
+        delta = _delta(counters(self.llm), self.before, cell.repeats)
+        row: dict[str, Any] = {"cell": cell.__dict__ | {"key": cell.key}, "seconds": self.seconds}
+        row["tokens_per_s"] = [sum(map(len, outputs)) / s for s in self.seconds]
+        row |= delta  # vLLM's counters; the exact counts below replace n_gen and n_draft
+        if self.plugin:
+            own = _delta(plugin_totals(self.llm), self.own0, cell.repeats)
+            row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted")}
+            row["draft_len_hist"] = dict(sorted(own["hist"].items()))
+            row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
+            row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
+        else:
+            row |= self.exact
+            row["draft_len_hist"] = {}
+        row["output_hashes"] = [token_hash(ids) for ids in outputs]
+        row["_outputs"], row["_prompt_ids"] = outputs, None
+        return row
+
+
 def run_cell(llm, cell: Cell, kind: str) -> dict[str, Any]:
-    plugin = kind == "plugin"
-    prompts = load_prompts(cell.workload, cell.n_prompts)
-    params = [sampling_params(cell, i) for i in range(len(prompts))]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    before, own0 = counters(llm), plugin_totals(llm) if plugin else {}
-    seconds, outputs, exact = [], None, {}
-    for _ in range(cell.repeats):
-        start, outs = time.perf_counter(), []
-        for i in range(0, len(prompts), cell.batch):
-            outs += llm.generate(prompts[i : i + cell.batch], params[i : i + cell.batch], use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
-        outputs = outputs or [list(o.outputs[0].token_ids) for o in outs]
-        if not plugin:
-            counts = request_counts(outs, speculative=kind != "nospec")
-            exact = {k: exact.get(k, 0) + v / cell.repeats for k, v in counts.items()}
-    delta = _delta(counters(llm), before, cell.repeats)
-    row: dict[str, Any] = {"cell": cell.__dict__ | {"key": cell.key}, "seconds": seconds}
-    row["tokens_per_s"] = [sum(map(len, outputs)) / s for s in seconds]
-    row |= delta  # vLLM's counters; the exact counts below replace n_gen and n_draft
-    if plugin:
-        own = _delta(plugin_totals(llm), own0, cell.repeats)
-        row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted")}
-        row["draft_len_hist"] = dict(sorted(own["hist"].items()))
-        row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
-        row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
-    else:
-        row |= exact
-        row["draft_len_hist"] = {}
-    row["output_hashes"] = [token_hash(ids) for ids in outputs]
-    row["_outputs"], row["_prompt_ids"] = outputs, None
-    return row
+    """The cell alone on its engine: repeats one after another."""
+    run = CellRun(llm, cell, kind)
+    for repeat in range(cell.repeats):
+        for g in range(len(run.groups)):
+            run.run_group(repeat, g)
+    return run.finish()
 
 
-def run_engine(config: Config, cells: list[Cell]) -> list[dict]:
+def make_engine(config: Config):
+    """The configuration's engine on the toy pair (or the scaled copies benchmarks.paths points at)."""
     kwargs: dict[str, Any] = {}
     if config.dynamic is not None:
         kwargs["speculative_config"] = vllm_run.spec_config(config.k) | {
@@ -165,14 +190,23 @@ def run_engine(config: Config, cells: list[Cell]) -> list[dict]:
         kwargs["per_request_spec_decode_metrics"] = "summary"  # exact passes per request
     k = config.k if config.kind in ("vllm", "plugin") and config.dynamic is None else None
     adaptive = None if config.adaptive is None else {**config.adaptive, "time_policy": True}
-    llm = vllm_run.make_llm(k=k, adaptive=adaptive, **kwargs)
+    return vllm_run.make_llm(k=k, adaptive=adaptive, **kwargs)
+
+
+def add_prompt_ids(llm, rows: list[dict]) -> None:
+    """The oracle replays no-speculation outputs: it needs the exact prompt ids."""
+    tok = llm.get_tokenizer()
+    for row in rows:
+        prompts = load_prompts(row["cell"]["workload"], row["cell"]["n_prompts"])
+        row["_prompt_ids"] = [tok(p).input_ids for p in prompts]
+
+
+def run_engine(config: Config, cells: list[Cell]) -> list[dict]:
+    llm = make_engine(config)
     try:
         rows = [run_cell(llm, cell, config.kind) for cell in cells]
-        if config.kind == "nospec":  # the oracle needs the exact prompt ids
-            tok = llm.get_tokenizer()
-            for row in rows:
-                prompts = load_prompts(row["cell"]["workload"], row["cell"]["n_prompts"])
-                row["_prompt_ids"] = [tok(p).input_ids for p in prompts]
+        if config.kind == "nospec":
+            add_prompt_ids(llm, rows)
     finally:
         vllm_run.close_llm(llm)
     return rows

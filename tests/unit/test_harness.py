@@ -152,3 +152,41 @@ def test_pacer_ablations_change_one_setting_on_code_count_cells_only():
         assert not c.timed and [x.key for x in plan.cells_for(c)] == ["count/code_heldout/b32/t0"]
         changed = set(c.adaptive) - {"policy", "head"}
         assert len(changed) == 1 or c.name.startswith("pacer ablation position=")
+
+
+def test_interleaved_groups_rotation_and_pairing():
+    from benchmarks.harness.interleaved import groups_of, paired, turn_order
+    from benchmarks.harness.plan import Config
+
+    cfgs = [Config(f"c{i}", "vllm", "fixed K", i) for i in range(1, 6)] + [Config("none", "nospec", "none")]
+    groups = groups_of(cfgs, 3)
+    assert [[c.name for c in g] for g in groups] == [["none", "c1", "c2"], ["none", "c3", "c4"], ["none", "c5"]]
+    with pytest.raises(ValueError, match="no-speculation"):
+        groups_of(cfgs[:2], 3)
+    # every configuration takes every place in the order as the turns go by
+    orders = [turn_order(3, t) for t in range(3)]
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert {o[0] for o in orders} == {0, 1, 2}
+    row = paired({"tokens_per_s": [200.0, 90.0]}, {"tokens_per_s": [100.0, 100.0]})
+    assert row["paired_ratio"] == [2.0, 0.9]
+
+
+def test_wall_clock_uses_paired_ratios_and_reports_drift():
+    results = _results()
+    timed = _cell("timed", 1)
+    k2 = next(r for r in results[1]["cells"] if r["cell"]["key"] == timed["key"])
+    k2["paired_ratio"] = [1.2, 1.3, 1.25]  # the unpaired medians give 1.00x
+    results[0]["drift"] = {timed["key"]: [{"group": 0, "tokens_per_s": [400.0]}, {"group": 1, "tokens_per_s": [500.0]}]}
+    table = report.tabulate(results)
+    row = next(r for r in table["rows"] if r["config"] == "vLLM K=2" and r["cell"]["key"] == timed["key"])
+    assert row["speedup_vs_no_spec"] == pytest.approx(1.25) and row["interleaved"]
+    md = report.markdown(table, {"summary": "t"}, "t")
+    assert "Interleaved:" in md and "| code_heldout/b1/t0 | 400, 500 | 25.0% |" in md
+
+
+def test_model_against_wall_clock_names_the_overhead():
+    md = report.markdown(report.tabulate(_results()), {"summary": "t"}, "t")
+    part = md.split("## Modeled speedup against the wall clock")[1]
+    # t_T 2 ms, fixed spec-step cost 3 ms -> 0.50 t_T above a target step
+    assert "c 4.00, speculative-step overhead above t_T 0.50 t_T" in part
+    assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% |" in part
