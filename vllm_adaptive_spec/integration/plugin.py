@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import re
 
 from vllm_adaptive_spec import SUPPORTED_VLLM_VERSION, __version__
+from vllm_adaptive_spec.integration.versions import release_of
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +25,6 @@ ALLOW_ANY_VLLM_ENV = "VLLM_ADAPTIVE_SPEC_ALLOW_ANY_VLLM"
 TRACE_FILE_ENV = "VLLM_ADAPTIVE_SPEC_TRACE_FILE"
 
 _registered = False
-
-
-def release_of(version: str) -> str:
-    """'0.32.0+cpu' -> '0.32.0': the release part, without local or dev tags."""
-    match = re.match(r"\d+(\.\d+)*", version)
-    return match.group(0) if match else version
 
 
 def check_vllm_version(found: str) -> None:
