@@ -159,7 +159,7 @@ def test_ray_worker_runs_the_adaptive_policy_and_output_is_lossless(ref_llm, ray
     assert view["pid"] != os.getpid()
     assert view["in_ray_actor"], view
     assert view["registered"] and view["active"] == ["svip"], view
-    assert view["drafter"] == "AdaptiveDraftProposer", view
+    assert view["drafter"] == "AdaptiveDraftModelProposer", view
     assert view["insecure_serialization"] == "1", view
 
     prompts = load_prompts("code_heldout", N_PROMPTS)

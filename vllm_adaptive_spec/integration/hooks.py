@@ -9,8 +9,9 @@ which does the only other two things the plugin changes, in this order:
 1. `fixes.apply_cpu_sampling_fix`: on CPU with vLLM 0.32.0, rebinds
    `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` (vLLM issue
    55005: its CPU fallback returns uninitialised values);
-2. replaces the runner's `drafter` with `proposer.AdaptiveDraftProposer`, a
-   subclass of vLLM's `DraftModelProposer` with our draft loop.
+2. replaces the runner's `drafter` with the adaptive drafter for its method
+   (`proposer.DRAFTERS`): vLLM's own proposer class (`DraftModelProposer`,
+   `EagleProposer`) with the shared adaptive draft loop in front of it.
 Separately, `prometheus.AdaptiveSpecStatLogger` is a stat-logger plugin (a
 vLLM extension point, not a patch) that exports nothing for other engines.
 """
@@ -39,6 +40,14 @@ class Hook:
     wrap: Callable[[Callable], Callable]
 
 
+# speculative_config.method values the adaptive loop serves (proposer.DRAFTERS has one drafter each)
+SUPPORTED_METHODS = ("draft_model", "eagle", "eagle3")
+_WHY_NOT = {
+    "dflash": "its drafts come from one parallel forward, so there is no draft step to stop",
+    "mtp": "not verified on this vLLM build yet (dense Qwen3 targets have no MTP layers to test it on)",
+}
+
+
 def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
     """Validate the plugin's config against the engine's; None when the plugin is off."""
     cfg = parse_additional_config(vllm_config.additional_config)
@@ -46,10 +55,11 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
         return None
     spec = vllm_config.speculative_config
     method = None if spec is None else spec.method
-    if method != "draft_model":
+    if method not in SUPPORTED_METHODS:
+        why = f" ({_WHY_NOT[method]})" if method in _WHY_NOT else ""
         raise ConfigError(
-            f"adaptive_spec needs speculative_config with method 'draft_model' "
-            f"(its num_speculative_tokens is the cap K); got speculative_config.method={method!r}"
+            f"adaptive_spec needs speculative_config with a method in {list(SUPPORTED_METHODS)} "
+            f"(its num_speculative_tokens is the cap K); got speculative_config.method={method!r}{why}"
         )
     # Trained heads must fit the running draft (SpecDec++: fingerprint in the head file).
     POLICY_CLASSES[cfg.policy].check_engine(cfg.params, spec.model)

@@ -1,6 +1,15 @@
-"""The adaptive draft proposer: vLLM's draft-model proposer with per-request stopping.
+"""The adaptive draft loop: vLLM's drafters with per-request stopping.
 
-Each round the draft model first reads the newly verified tokens (vLLM's
+One loop (`AdaptiveDraftLoop`) serves every drafter the plugin supports; a
+drafter is a two-line adapter that puts the loop in front of vLLM's own
+proposer class (`AdaptiveDraftModelProposer` for an independent draft model,
+`AdaptiveEagleProposer` for EAGLE / EAGLE-3 heads). What differs per drafter
+stays vLLM's: the first pass's inputs (`set_inputs_first_pass`, the EAGLE-3
+fused target features), whether the model reads a hidden state
+(`pass_hidden_states_to_model`) and whether it returns a separate state to
+carry into the next step (`model_returns_tuple`).
+
+Each round the drafter first reads the newly verified tokens (vLLM's
 first pass, unchanged), then drafts one token per step for the whole batch.
 After every step the policy decides, per request, whether the new token is
 kept and whether drafting stops; the loop ends once no request is drafting,
@@ -22,6 +31,7 @@ import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
 from vllm_adaptive_spec.policies import StopPolicy
@@ -46,14 +56,17 @@ def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
     return torch.log_softmax(logits, dim=-1)
 
 
-class AdaptiveDraftProposer(DraftModelProposer):
+class AdaptiveDraftLoop:
+    """The shared loop; mixed in front of a vLLM `SpecDecodeBaseProposer` subclass."""
+
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any, cfg: AdaptiveSpecConfig):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         unsupported = {
             "M-RoPE draft": self.uses_mrope,
             "multimodal draft": self.supports_mm_inputs,
-            "heterogeneous vocabularies": self.use_heterogeneous_vocab,
+            "heterogeneous vocabularies": getattr(self, "use_heterogeneous_vocab", False),
             "parallel drafting": self.parallel_drafting,
+            "constant draft positions": getattr(self, "constant_draft_positions", False),
         }
         for what, present in unsupported.items():
             if present:
@@ -125,7 +138,12 @@ class AdaptiveDraftProposer(DraftModelProposer):
 
     # -- the draft loop --
 
+    def _first_pass_features(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the drafter's first pass reads of the target (adapters override)."""
+        return target_hidden_states
+
     def _forward(self, per_layer_md, num_input: int, mode, across_dp, slot_mapping, **model_inputs):
+        """One draft forward -> (state the logits come from, state carried into the next step)."""
         with set_forward_context(
             per_layer_md,
             self.vllm_config,
@@ -135,7 +153,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
             slot_mapping=slot_mapping,
         ):
             out = self.model(**model_inputs)
-        return out[0] if self.model_returns_tuple() else out
+        return out if self.model_returns_tuple() else (out, out)
 
     def propose(self, *args, **kwargs) -> list[list[int]]:
         clock = self.stats.clock
@@ -179,7 +197,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
             target_token_ids=target_token_ids,
             next_token_ids=next_token_ids,
             target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
+            target_hidden_states=self._first_pass_features(target_hidden_states),
             token_indices_to_sample=token_indices_to_sample,
             cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu,
@@ -187,7 +205,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
         _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_tokens)
         model_inputs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input, None)
-        hidden = self._forward(
+        hidden, carried = self._forward(
             per_layer_md,
             num_input,
             mode,
@@ -203,6 +221,7 @@ class AdaptiveDraftProposer(DraftModelProposer):
             return [[] for _ in range(batch)]
 
         hidden = hidden[sample_idx]  # [B, hidden]
+        carried = carried[sample_idx]  # [B, hidden]
         positions = self.positions[sample_idx]  # [B]
         limit = torch.tensor(limits, device=hidden.device)  # [B]
         active = limit > 0  # [B] rows still drafting
@@ -221,16 +240,18 @@ class AdaptiveDraftProposer(DraftModelProposer):
                 positions = self._update_positions_dependent_metadata(positions, cad, batch, num_input, self.block_size)
                 _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad, draft_index=t)
                 self.input_ids[:batch] = tokens_per_step[-1].int()
-                hidden = self._forward(
-                    per_layer_md,
-                    num_input,
-                    mode,
-                    across_dp,
-                    self._get_slot_mapping(num_input),
-                    input_ids=self.input_ids[:num_input],
-                    positions=self._get_positions(num_input),
-                    inputs_embeds=None,
-                )[:batch]
+                model_inputs = {
+                    "input_ids": self.input_ids[:num_input],
+                    "positions": self._get_positions(num_input),
+                    "inputs_embeds": None,
+                }
+                if self.pass_hidden_states_to_model:  # EAGLE: the head reads its own last state
+                    self.hidden_states[:batch] = carried
+                    model_inputs["hidden_states"] = self.hidden_states[:num_input]
+                hidden, carried = self._forward(
+                    per_layer_md, num_input, mode, across_dp, self._get_slot_mapping(num_input), **model_inputs
+                )
+                hidden, carried = hidden[:batch], carried[:batch]
                 forwards += 1
             logits = self.model.compute_logits(hidden)  # [B, V]
             tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
@@ -275,3 +296,24 @@ class AdaptiveDraftProposer(DraftModelProposer):
             # Padded batch: the first pass also covered rejected slots; drop them.
             cad.seq_lens -= num_rejected_tokens_gpu
         return self._determine_batch_execution_and_padding(batch)
+
+
+class AdaptiveDraftModelProposer(AdaptiveDraftLoop, DraftModelProposer):
+    """method "draft_model": an independent draft LM; everything as vLLM's."""
+
+
+class AdaptiveEagleProposer(AdaptiveDraftLoop, EagleProposer):
+    """methods "eagle" and "eagle3": a head that reads the target's hidden states and its own last state."""
+
+    def _first_pass_features(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.method == "eagle3":  # the low/mid/high target layers, fused by the head's fc (as vLLM does)
+            return self.model.combine_hidden_states(target_hidden_states)
+        return target_hidden_states
+
+
+# speculative_config.method -> the adaptive drafter (keys: hooks.SUPPORTED_METHODS)
+DRAFTERS: dict[str, type[AdaptiveDraftLoop]] = {
+    "draft_model": AdaptiveDraftModelProposer,
+    "eagle": AdaptiveEagleProposer,
+    "eagle3": AdaptiveEagleProposer,
+}

@@ -21,13 +21,14 @@ _policies: list[str] = []
 
 def activate(runner: Any, cfg: AdaptiveSpecConfig) -> None:
     from vllm_adaptive_spec.integration.fixes import apply_cpu_sampling_fix
-    from vllm_adaptive_spec.integration.proposer import AdaptiveDraftProposer
+    from vllm_adaptive_spec.integration.proposer import DRAFTERS
 
     _policies.append(cfg.policy)
     apply_cpu_sampling_fix()
     if getattr(runner, "drafter", None) is None:
         return  # not the rank that drafts (pipeline parallelism)
-    runner.drafter = AdaptiveDraftProposer(runner.vllm_config, runner.device, runner, cfg)
+    drafter_class = DRAFTERS[runner.speculative_config.method]
+    runner.drafter = drafter_class(runner.vllm_config, runner.device, runner, cfg)
     _proposers.add(runner.drafter)
     logger.info(
         "vllm-adaptive-spec: %s drafts with policy %s %s (cap K=%d)",
