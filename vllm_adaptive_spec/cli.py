@@ -1,4 +1,4 @@
-"""Command line: `vllm-adaptive-spec train specdecpp|pacer ...` (also `python -m vllm_adaptive_spec.cli`).
+"""Command line: `vllm-adaptive-spec train specdecpp|pacer|eagle3 ...` (also `python -m vllm_adaptive_spec.cli`).
 
     vllm-adaptive-spec train specdecpp --target benchmarks/models/toy-target \\
         --draft benchmarks/models/toy-draft --prompts benchmarks/prompts/code_train.jsonl \\
@@ -8,7 +8,11 @@ Runs SpecDec++ head training end to end: target responses through vLLM,
 teacher-forced labels, head training, evaluation, threshold choice; writes the
 head and a JSON report next to it (`<out stem>.report.json`). `train pacer`
 does the same for the Pacer pre-verifier (draft chains, packed BCE training,
-block size / threshold / growth chosen by replay).
+block size / threshold / growth chosen by replay). `train eagle3` trains an
+EAGLE-3 draft head for the target with the training-time test and writes the
+directory vLLM loads with `speculative_config={"method": "eagle3", "model":
+<out>}`; the report goes beside it (`<out>.report.json`), outside the
+directory vLLM reads.
 """
 
 from __future__ import annotations
@@ -97,6 +101,31 @@ def _train_specdecpp(args: argparse.Namespace) -> None:
     )
 
 
+def _train_eagle3(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from vllm_adaptive_spec.training.eagle3 import TrainConfig, train_eagle3
+
+    responses = _responses(args)
+    if args.n_responses:
+        responses = responses[: args.n_responses]
+    cfg = TrainConfig(
+        **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    )
+    extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
+    report = train_eagle3(args.target, responses, args.out, cfg, extra)
+    report_path = _report_path(args.out)
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    held, chains = report["metrics"]["heldout"], report["metrics"]["heldout_chains"]
+    print(
+        f"EAGLE-3 head: {args.out} ({report['parameters']:,} parameters); held-out agreement per step "
+        f"{held['agreement_per_step']}; replayed acceptance length {chains['replay_acceptance_length']} "
+        f"at K={chains['cap']}; {report['seconds']['total']} s\nreport: {report_path}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vllm-adaptive-spec", description="vllm-adaptive-spec tools")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -130,14 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("lr", "weight_decay", "val_frac", "cost_ratio"):
         pc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     pc.set_defaults(run=_train_pacer)
+    e3 = train.add_parser("eagle3", help="EAGLE-3 draft head (a vLLM eagle3 model directory)")
+    _common_options(e3, draft=False)
+    e3.add_argument("--n-responses", type=int, help="use the first N cached responses")
+    e3.add_argument(
+        "--aux-layer-ids", type=lambda v: tuple(int(x) for x in v.split(",")), help="target layer ids, e.g. 1,2,3"
+    )
+    for name in ("ttt_steps", "epochs", "batch_size", "cap", "eval_responses", "intermediate_size"):
+        e3.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    for name in ("step_decay", "lr", "weight_decay", "warmup_frac", "val_frac"):
+        e3.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    e3.set_defaults(run=_train_eagle3)
     return ap
 
 
-def _common_options(sp: argparse.ArgumentParser) -> None:
+def _common_options(sp: argparse.ArgumentParser, draft: bool = True) -> None:
     sp.add_argument("--target", type=Path, required=True, help="target model directory")
-    sp.add_argument("--draft", type=Path, required=True, help="draft model directory (the head is tied to it)")
+    if draft:
+        sp.add_argument("--draft", type=Path, required=True, help="draft model directory (the head is tied to it)")
     sp.add_argument("--prompts", type=Path, required=True, help="JSONL with a 'prompt' field per line")
-    sp.add_argument("--out", type=Path, required=True, help="head file to write (.safetensors)")
+    sp.add_argument("--out", type=Path, required=True, help="head file (.safetensors) or directory (eagle3) to write")
     sp.add_argument("--n-prompts", type=int, help="use the first N prompts")
     sp.add_argument("--max-tokens", type=int, default=128, help="target response length")
     sp.add_argument("--responses-modes", default="greedy", help="target responses: greedy,sampled")
