@@ -22,6 +22,11 @@ from benchmarks.vllm_run import close_llm  # noqa: E402,F401
 K = 4
 N_PROMPTS = 20
 MAX_TOKENS = 64
+N_LOSSLESS = 50
+# Mixed lengths in one batch: requests finish at different steps, and some
+# have fewer tokens left than the cap.
+MIXED_MAX_TOKENS = [(3, 17, 40, 64, 1)[i % 5] for i in range(N_LOSSLESS)]
+TRAINING_FREE_POLICIES = ["adaedl", "confidence", "fixed", "heuristic", "svip"]
 
 
 def make_llm(**kwargs):
@@ -99,3 +104,13 @@ def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
 @pytest.fixture(scope="session")
 def reference_tokens(ref_llm, prompts) -> list[list[int]]:
     return greedy(ref_llm, prompts)
+
+
+@pytest.fixture(scope="session")
+def lossless_prompts() -> list[str]:
+    return load_prompts("code_heldout", N_LOSSLESS)
+
+
+@pytest.fixture(scope="session")
+def lossless_reference(ref_llm, lossless_prompts) -> list[list[int]]:
+    return greedy(ref_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])

@@ -5,26 +5,21 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.paths import load_prompts
-from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config
+from tests.conftest import (
+    MIXED_MAX_TOKENS,
+    TRAINING_FREE_POLICIES,
+    close_llm,
+    first_mismatch,
+    greedy,
+    make_llm,
+    released_stats,
+    spec_config,
+)
 
 pytestmark = pytest.mark.e2e
 
 CAP = 8
-N_LOSSLESS = 50
-# Mixed lengths in one batch: requests finish at different steps, and some
-# have fewer tokens left than the cap.
-MIXED_MAX_TOKENS = [(3, 17, 40, 64, 1)[i % 5] for i in range(N_LOSSLESS)]
-POLICIES = ["adaedl", "confidence", "fixed", "heuristic", "svip"]
-
-
-@pytest.fixture(scope="session")
-def lossless_prompts() -> list[str]:
-    return load_prompts("code_heldout", N_LOSSLESS)
-
-
-@pytest.fixture(scope="session")
-def lossless_reference(ref_llm, lossless_prompts) -> list[list[int]]:
-    return greedy(ref_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+POLICIES = TRAINING_FREE_POLICIES
 
 
 @pytest.fixture(scope="module", params=POLICIES)
