@@ -12,6 +12,9 @@ MODELS = REPO / "benchmarks" / "models"
 TARGET_ENV, DRAFT_ENV = "VLLM_ADAPTIVE_SPEC_BENCH_TARGET", "VLLM_ADAPTIVE_SPEC_BENCH_DRAFT"
 TARGET = Path(os.environ.get(TARGET_ENV) or MODELS / "toy-target")
 DRAFT = Path(os.environ.get(DRAFT_ENV) or MODELS / "toy-draft")
+EAGLE3_HEAD = REPO / "heads" / "toy" / "eagle3"  # the EAGLE-3 head trained for the toy target
+# speculative_config.method -> the bundled drafter it runs
+DRAFTERS = {"draft_model": DRAFT, "eagle3": EAGLE3_HEAD}
 PROMPTS = REPO / "benchmarks" / "prompts"
 
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.paths import DRAFT, TARGET
+from benchmarks.paths import DRAFTERS, TARGET
 
 # Before vLLM starts: a small KV cache (vLLM on CPU reserves ~8 GiB by
 # default) and no hub access, ever.
@@ -17,12 +17,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def spec_config(k: int, draft: str = str(DRAFT)) -> dict:
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+def spec_config(k: int, method: str = "draft_model") -> dict:
+    """Speculation with the bundled drafter of `method` (benchmarks.paths.DRAFTERS), cap K."""
+    return {"method": method, "model": str(DRAFTERS[method]), "num_speculative_tokens": k}
 
 
-def make_llm(k: int | None = None, adaptive: dict | None = None, **kwargs: Any):
-    """The toy target in vLLM; with `k`, draft-model speculation with cap K."""
+def make_llm(k: int | None = None, adaptive: dict | None = None, method: str = "draft_model", **kwargs: Any):
+    """The toy target in vLLM; with `k`, speculation with the bundled drafter of `method`, cap K."""
     from vllm import LLM
 
     args: dict[str, Any] = dict(
@@ -34,7 +35,7 @@ def make_llm(k: int | None = None, adaptive: dict | None = None, **kwargs: Any):
         disable_log_stats=False,
     )
     if k is not None:
-        args["speculative_config"] = spec_config(k)
+        args["speculative_config"] = spec_config(k, method)
     if adaptive is not None:
         args["additional_config"] = {"adaptive_spec": adaptive}
     args.update(kwargs)

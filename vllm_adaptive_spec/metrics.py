@@ -96,14 +96,17 @@ def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead:
     return 1.0 / (n_target / n_gen + (n_draft / n_gen) / c + overhead)
 
 
-def _run_length(match: list[bool], start: int) -> int:
-    n = 0
-    while start + n < len(match) and match[start + n]:
-        n += 1
-    return n
+def chain_runs(match: list[bool]) -> list[int]:
+    """runs[i]: how many drafts from position i agree with the target in a row, when the
+    draft's i-th prediction does not depend on its own earlier drafts (a draft model read
+    teacher-forced: while it agrees, its inputs are the target's tokens)."""
+    runs = [0] * (len(match) + 1)
+    for i in range(len(match) - 1, -1, -1):
+        runs[i] = runs[i + 1] + 1 if match[i] else 0
+    return runs[:-1]
 
 
-def simulate_greedy(match: list[bool], k: int, oracle: bool = False) -> SpecCounts:
+def simulate_greedy(match: list[bool], k: int, oracle: bool = False, runs: list[int] | None = None) -> SpecCounts:
     """Replay greedy speculative decoding over one request, counting passes as the engine does.
 
     match[i] is True when the draft's greedy token equals the target's i-th
@@ -114,8 +117,12 @@ def simulate_greedy(match: list[bool], k: int, oracle: bool = False) -> SpecCoun
     max_tokens, as the plugin does); it accepts min(run, cap) and emits one
     target token more. N_T therefore counts every pass that generated a token,
     the prefill's included, exactly as the plugin's per-step records do.
+    `runs` (one per position, as `chain_runs` gives) replaces the runs derived
+    from `match`: a drafter that reads its own last state (EAGLE) has to be
+    unrolled from each position to know them.
     """
-    n = len(match)
+    runs = chain_runs(match) if runs is None else runs
+    n = len(runs)
     counts = SpecCounts(n_gen=n, accepted_per_pos=[0] * k)
     if n == 0:
         return counts
@@ -123,7 +130,7 @@ def simulate_greedy(match: list[bool], k: int, oracle: bool = False) -> SpecCoun
     i = 1
     while i < n:
         cap = min(k, n - i - 1)
-        accepted = min(_run_length(match, i), cap)
+        accepted = min(runs[i], cap)
         counts.n_target += 1
         counts.n_draft += accepted if oracle else cap
         counts.n_accepted += accepted
@@ -134,8 +141,11 @@ def simulate_greedy(match: list[bool], k: int, oracle: bool = False) -> SpecCoun
     return counts
 
 
-def simulate_workload(matches: list[list[bool]], k: int, oracle: bool = False) -> SpecCounts:
+def simulate_workload(
+    matches: list[list[bool]], k: int, oracle: bool = False, runs: list[list[int]] | None = None
+) -> SpecCounts:
+    """simulate_greedy over requests; `runs` per request replaces the runs derived from `matches`."""
     total = SpecCounts(accepted_per_pos=[0] * k)
-    for match in matches:
-        total.add(simulate_greedy(match, k, oracle))
+    for i, match in enumerate(matches):
+        total.add(simulate_greedy(match, k, oracle, None if runs is None else runs[i]))
     return total

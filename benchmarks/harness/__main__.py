@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
@@ -168,6 +169,18 @@ def use_scaled_models(args: argparse.Namespace, plan: Plan) -> str:
     return suffix
 
 
+def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
+    """Run every configuration on another bundled drafter; returns the out-dir suffix."""
+    if args.drafter == "draft_model":
+        return ""
+    # HF assisted generation runs the draft model; the trained stopping heads carry the draft
+    # model's fingerprint and do not load on a head. The oracle unrolls the head (worker.eagle3_runs).
+    dropped = [c.name for c in plan.configs if c.kind == "hf" or (c.adaptive and "head" in c.adaptive)]
+    plan.configs[:] = [replace(c, method=args.drafter) for c in plan.configs if c.name not in dropped]
+    plan.notes.append(f"drafter {args.drafter}: every configuration runs on it; left out {dropped}")
+    return f"_{args.drafter}"
+
+
 def check_same_tokens(results: list[dict], unscaled: Path, out: Path) -> None:
     """A scaled copy computes the original's function: its greedy outputs must equal the unscaled
     pair's on every cell both ran (no-speculation rows, output hashes). Written to same_tokens.json."""
@@ -204,9 +217,21 @@ def main() -> None:
     ap.add_argument("--target-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the target")
     ap.add_argument("--draft-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the draft")
     ap.add_argument("--regime", action="store_true", help="the batch-1 regime plan (use with the mlp factors)")
+    ap.add_argument("--counts-only", action="store_true", help="only the count cells (no wall clock)")
+    ap.add_argument("--workloads", nargs="*", help="only these prompt families (e.g. code_heldout)")
+    ap.add_argument(
+        "--drafter", choices=("draft_model", "eagle3"), default="draft_model", help="the bundled drafter to run"
+    )
     args = ap.parse_args()
+    if args.drafter != "draft_model" and args.draft_mlp_factor > 1:
+        ap.error("--draft-mlp-factor scales the draft model; with --drafter eagle3 scale the target only")
     plan = regime_plan() if args.regime else full_plan() if args.full else short_plan()
-    suffix = use_scaled_models(args, plan)
+    plan.cells[:] = [
+        c
+        for c in plan.cells
+        if (not args.counts_only or not c.timed) and (not args.workloads or c.workload in args.workloads)
+    ]
+    suffix = use_drafter(args, plan) + use_scaled_models(args, plan)
     base = default_out(args.full).with_name("regime") if args.regime else default_out(args.full)
     out = args.out or base.with_name(base.name + suffix)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ class Config:
     sweep: float | None = None  # the swept value, for plots
     timed: bool = False  # runs the timed cells too
     workloads: tuple[str, ...] | None = None  # only these prompt families (None: all)
+    method: str = "draft_model"  # speculative_config.method: the bundled drafter (benchmarks.paths.DRAFTERS)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

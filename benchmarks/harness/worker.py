@@ -183,14 +183,14 @@ def make_engine(config: Config):
     """The configuration's engine on the toy pair (or the scaled copies benchmarks.paths points at)."""
     kwargs: dict[str, Any] = {}
     if config.dynamic is not None:
-        kwargs["speculative_config"] = vllm_run.spec_config(config.k) | {
+        kwargs["speculative_config"] = vllm_run.spec_config(config.k, config.method) | {
             "num_speculative_tokens_per_batch_size": config.dynamic
         }
     if config.kind == "vllm":
         kwargs["per_request_spec_decode_metrics"] = "summary"  # exact passes per request
     k = config.k if config.kind in ("vllm", "plugin") and config.dynamic is None else None
     adaptive = None if config.adaptive is None else {**config.adaptive, "time_policy": True}
-    return vllm_run.make_llm(k=k, adaptive=adaptive, **kwargs)
+    return vllm_run.make_llm(k=k, adaptive=adaptive, method=config.method, **kwargs)
 
 
 def add_prompt_ids(llm, rows: list[dict]) -> None:
@@ -241,8 +241,36 @@ def run_hf(config: Config, cells: list[Cell]) -> list[dict]:
     return rows
 
 
-def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int]) -> list[dict]:
-    """Target greedy output + one teacher-forced draft pass: the oracle and the fixed-K replay."""
+def eagle3_runs(prompt_ids: list[list[int]], outputs: list[list[int]], cap: int) -> list[list[int]]:
+    """runs[r][i]: how many of the EAGLE-3 head's greedy drafts agree with output r from token i on,
+    the head unrolled on its own state as vLLM drafts a round (transformers' float32 target features)."""
+    import torch
+
+    from benchmarks.paths import DRAFTERS, TARGET
+    from vllm_adaptive_spec.heads.eagle3 import draft_chains, load_hf_dir
+    from vllm_adaptive_spec.training.data import Response, load_causal_lm
+    from vllm_adaptive_spec.training.eagle3 import accepted_prefix, target_features
+
+    target = load_causal_lm(TARGET)
+    head, cfg = load_hf_dir(DRAFTERS["eagle3"], target.get_input_embeddings().weight)
+    runs = []
+    for p, g in zip(prompt_ids, outputs):
+        seq = target_features(target, Response(p, g, "greedy"), cfg.aux_layer_ids)
+        n, first = len(seq.ids), len(p)
+        # token i of the output is x_{first+i}; a round at i starts the head's chain at c = first + i - 2
+        starts = torch.arange(first - 1, n - 2)  # i = 1 .. len(g) - 1
+        row = [0]
+        if len(starts):
+            drafted = draft_chains(head, seq.ids[1:], seq.aux[: n - 1], starts, cap)  # [C, cap]
+            where = (starts[:, None] + 2 + torch.arange(cap)[None, :]).clamp_max(n - 1)
+            row += accepted_prefix(drafted, seq.ids[where], n - 2 - starts).tolist()
+        runs.append(row[: len(g)])
+    return runs
+
+
+def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int], method: str = "draft_model") -> list[dict]:
+    """Target greedy output + the drafter's greedy predictions: the oracle and the fixed-K replay.
+    A draft model is read teacher-forced in one pass; an EAGLE-3 head is unrolled from every position."""
     from benchmarks.toy_pair.measure import draft_matches
     from vllm_adaptive_spec.metrics import simulate_workload
 
@@ -252,10 +280,14 @@ def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int]) -> list[d
         ref = saved.get(cell.key)
         if ref is None or cell.temperature != 0.0:
             continue
-        matches = draft_matches(ref["prompt_ids"], ref["outputs"])
+        if method == "eagle3":
+            runs = eagle3_runs(ref["prompt_ids"], ref["outputs"], max(ks))
+            matches = [[r > 0 for r in row] for row in runs]
+        else:
+            matches, runs = draft_matches(ref["prompt_ids"], ref["outputs"]), None
         for k in ks:
             for oracle in (True, False):
-                counts = simulate_workload(matches, k, oracle=oracle)
+                counts = simulate_workload(matches, k, oracle=oracle, runs=runs)
                 rows.append(
                     {
                         "cell": cell.__dict__ | {"key": cell.key},
@@ -277,7 +309,7 @@ def main() -> None:
     cells = [Cell(**c) for c in job["cells"]]
     result: dict[str, Any] = {"config": config.to_dict()}
     if config.kind == "oracle":
-        result["replay"] = run_oracle(cells, Path(job["nospec_outputs"]), job["oracle_ks"])
+        result["replay"] = run_oracle(cells, Path(job["nospec_outputs"]), job["oracle_ks"], config.method)
     elif config.kind == "hf":
         result["cells"] = run_hf(config, cells)
     else:

@@ -66,3 +66,16 @@ def test_draft_lengths_from_per_position_counts():
     # three drafts of lengths 1, 3, 3 -> position counts [3, 2, 2, 0]
     assert lengths_from_per_pos([3, 2, 2, 0]) == {1: 1, 3: 2}
     assert lengths_from_per_pos([0, 0]) == {}
+
+
+def test_chain_runs_and_replay_from_unrolled_runs():
+    from vllm_adaptive_spec.metrics import chain_runs
+
+    assert chain_runs([T, T, F, T]) == [2, 1, 0, 1]
+    match = [T, T, F, T, T, F]
+    assert simulate_greedy(match, k=4, runs=chain_runs(match)) == simulate_greedy(match, k=4)
+    # An EAGLE head unrolled from position 1 may agree on 3 tokens even where its
+    # teacher-forced prediction at position 2 would not: the replay follows the runs.
+    runs = [0, 3, 0, 0, 0, 0]
+    c = simulate_greedy(match, k=4, oracle=True, runs=runs)
+    assert (c.n_target, c.n_accepted, c.n_draft) == (3, 3, 3)  # prefill; 1 + 3 drafts (pos 1-4); pos 5
