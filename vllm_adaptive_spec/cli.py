@@ -84,13 +84,17 @@ def _train_specdecpp(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from vllm_adaptive_spec.training.specdecpp import TrainConfig, train_specdecpp
+    from vllm_adaptive_spec.training.specdecpp_eagle3 import train_specdecpp_eagle3
 
     responses = _responses(args)
+    if args.n_responses:
+        responses = responses[: args.n_responses]
     cfg = TrainConfig(
         **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     )
     extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
-    report = train_specdecpp(args.target, args.draft, responses, args.out, cfg, extra)
+    train = train_specdecpp_eagle3 if args.drafter == "eagle3" else train_specdecpp
+    report = train(args.target, args.draft, responses, args.out, cfg, extra)
     report_path = _report_path(args.out)
     report_path.write_text(json.dumps(report, indent=1) + "\n")
     m = report["metrics"]
@@ -133,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = train.add_parser("specdecpp", help="SpecDec++ acceptance head")
     _common_options(sp)
     sp.add_argument("--mode", choices=("greedy", "sampling"), help="label mode (default greedy)")
+    sp.add_argument(
+        "--drafter",
+        choices=("draft_model", "eagle3"),
+        default="draft_model",
+        help="what --draft is: a draft model, or an EAGLE-3 head directory (greedy chains of the head)",
+    )
+    sp.add_argument("--n-responses", type=int, help="use the first N cached responses")
     for name in ("depth", "epochs", "batch_size", "cap", "replay_responses"):
         sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     for name in ("weight", "mix", "lr", "weight_decay", "val_frac", "cost_ratio"):

@@ -314,27 +314,38 @@ class Eagle3Head(nn.Module):
 
 @torch.no_grad()
 def draft_chains(
-    head: Eagle3Head, next_tokens: torch.Tensor, aux: torch.Tensor, starts: torch.Tensor, length: int
-) -> torch.Tensor:
+    head: Eagle3Head,
+    next_tokens: torch.Tensor,
+    aux: torch.Tensor,
+    starts: torch.Tensor,
+    length: int,
+    with_states: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Greedy chains, each drafted as vLLM drafts a round: tokens [C, length].
 
     next_tokens [T] (x_{p+1} at position p), aux [T, fc_in]; a chain starting
     at c begins after the target produced x_{c+1}: its first pass sees the
     target's features at positions <= c, and it drafts x_{c+2}, x_{c+3}, ...
     All chains share one first pass; each then masks the cache to its prefix.
+    with_states: also the normed state each draft's logits came from, [C, length, H]
+    (what the adaptive loop hands a stopping policy at that step).
     """
     t, c = next_tokens.shape[0], starts
     positions = torch.arange(t)
     normed, prenorm, cache = head.decode(next_tokens[None], head.fuse(aux)[None], positions[None])
     n = len(c)
     cache = KVCache(cache.k.expand(n, -1, -1, -1), cache.v.expand(n, -1, -1, -1), positions[None, :] <= c[:, None])
-    token, hidden = head.logits(normed[0, c]).argmax(-1), prenorm[0, c]  # [C], [C, H]
-    drafted = [token]
+    state, hidden = normed[0, c], prenorm[0, c]  # [C, H] each
+    token = head.logits(state).argmax(-1)  # [C]
+    drafted, states = [token], [state]
     for k in range(1, length):
         normed, hidden, cache = head.decode(token[:, None], hidden[:, None], (c + k)[:, None], cache)
-        token, hidden = head.logits(normed[:, 0]).argmax(-1), hidden[:, 0]
+        state, hidden = normed[:, 0], hidden[:, 0]
+        token = head.logits(state).argmax(-1)
         drafted.append(token)
-    return torch.stack(drafted, 1)
+        states.append(state)
+    tokens = torch.stack(drafted, 1)
+    return (tokens, torch.stack(states, 1)) if with_states else tokens
 
 
 def shift(x: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
