@@ -28,7 +28,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.harness import report
-from benchmarks.harness.plan import Cell, Config, Plan, default_out, full_plan, regime_plan, short_plan
+from benchmarks.harness.plan import (
+    Cell,
+    Config,
+    Plan,
+    default_out,
+    eagle3_head_configs,
+    full_plan,
+    regime_plan,
+    short_plan,
+)
 from benchmarks.paths import REPO
 
 
@@ -176,7 +185,8 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
     # HF assisted generation runs the draft model; the trained stopping heads carry the draft
     # model's fingerprint and do not load on a head. The oracle unrolls the head (worker.eagle3_runs).
     dropped = [c.name for c in plan.configs if c.kind == "hf" or (c.adaptive and "head" in c.adaptive)]
-    plan.configs[:] = [replace(c, method=args.drafter) for c in plan.configs if c.name not in dropped]
+    kept = [c for c in plan.configs if c.name not in dropped]
+    plan.configs[:] = [replace(c, method=args.drafter) for c in kept + eagle3_head_configs()]
     plan.notes.append(f"drafter {args.drafter}: every configuration runs on it; left out {dropped}")
     return f"_{args.drafter}"
 

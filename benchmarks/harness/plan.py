@@ -25,6 +25,7 @@ CAP = 16  # cap K of every adaptive policy
 DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
 SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
 PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
+EAGLE3_SPECDECPP_HEAD = REPO / "heads" / "toy" / "eagle3-specdecpp.safetensors"  # trained on the EAGLE-3 head
 # The position-embedding ablation: two layers trained alike (500 responses), with and without e_i.
 PACER_ABLATION_PAIR = {
     "on": REPO / "heads" / "toy" / "ablations" / "pacer_pos500.safetensors",
@@ -121,6 +122,20 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
             for t in (0.4, 0.5, 0.6, 0.8, 0.9, 0.95)
         ]
     return configs
+
+
+def eagle3_head_configs() -> list[Config]:
+    """Stopping heads trained on the bundled EAGLE-3 head (the draft model's do not load on it)."""
+    if not EAGLE3_SPECDECPP_HEAD.exists():
+        return []
+    head = str(EAGLE3_SPECDECPP_HEAD)
+    return [
+        _plugin("specdecpp (eagle3 head default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True),
+        *[
+            _plugin(f"specdecpp eagle3 th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t)
+            for t in (0.5, 0.9)
+        ],
+    ]
 
 
 def _pacer_ablations() -> list[Config]:

@@ -1,9 +1,12 @@
-"""Every stopping policy inside vLLM: lossless greedy output, statistics, early exit."""
+"""Every training-free stopping policy inside vLLM, on both bundled drafters (the toy draft
+model and the EAGLE-3 head, one shared loop): lossless greedy output, statistics, policy
+timing, early exit."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks import vllm_run
 from benchmarks.paths import load_prompts
 from tests.conftest import (
     MIXED_MAX_TOKENS,
@@ -19,13 +22,16 @@ from tests.conftest import (
 pytestmark = pytest.mark.e2e
 
 CAP = 8
-POLICIES = TRAINING_FREE_POLICIES
+DRAFTERS = ("draft_model", "eagle3")  # speculative_config.method of the bundled drafters
+CASES = [(method, policy) for method in DRAFTERS for policy in TRAINING_FREE_POLICIES]
 
 
-@pytest.fixture(scope="module", params=POLICIES)
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def policy_llm(request):
-    llm = make_llm(speculative_config=spec_config(CAP), additional_config={"adaptive_spec": {"policy": request.param}})
-    yield request.param, llm
+    method, policy = request.param
+    adaptive = {"policy": policy, "time_policy": True}
+    llm = make_llm(speculative_config=vllm_run.spec_config(CAP, method), additional_config={"adaptive_spec": adaptive})
+    yield policy, llm
     close_llm(llm)
 
 
@@ -55,7 +61,7 @@ def test_statistics_and_draft_lengths(policy_llm):
     work = snap["workload"]
     assert snap["policy"] == policy
     assert work["n_target"] > 0 and work["n_gen"] > work["n_target"]
-    assert work["n_accepted"] <= work["n_draft"]
+    assert 0 < work["n_accepted"] <= work["n_draft"]
     lengths = snap["drafted_len_hist"]
     assert max(int(k) for k in lengths) <= CAP
     if policy == "fixed":
@@ -63,6 +69,7 @@ def test_statistics_and_draft_lengths(policy_llm):
         assert lengths.get(CAP, 0) > sum(v for k, v in lengths.items() if k != CAP)
     else:
         assert len(lengths) > 1, "an adaptive policy drafts varying lengths"
+    assert snap["timing"]["decides"] > 0 and snap["timing"]["propose_s"] > 0
     # finished requests leave neither live statistics nor policy state behind
     assert snap["requests"] == {} and snap["tracked"] == 0, snap
     assert snap["n_finished"] > 0

@@ -2,10 +2,11 @@
 
 The loop that serves the draft model serves the EAGLE-3 head too (proposer.py:
 the head reads the target's fused hidden states in the first pass and its own
-last state at every later step). Every training-free policy must be lossless;
-with the fixed policy the loop must draft exactly what vLLM's own EAGLE loop
-drafts (same accepted tokens at every position), which checks that the state
-carried from step to step is the one vLLM carries.
+last state at every later step). Every training-free policy runs on it in
+test_adaptive_policies.py; here: with the fixed policy the loop must draft what
+vLLM's own EAGLE loop drafts (same passes, same drafts kept), which checks that
+the state carried from step to step is the one vLLM carries; the SpecDec++
+head trained on the EAGLE-3 head's own chains; and what is refused at start-up.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import time
 import pytest
 
 from benchmarks import vllm_run
+from benchmarks.harness.plan import EAGLE3_SPECDECPP_HEAD, SPECDECPP_HEAD
 from benchmarks.paths import load_prompts
 from tests.conftest import (
     MAX_TOKENS,
     MIXED_MAX_TOKENS,
     N_LOSSLESS,
-    TRAINING_FREE_POLICIES,
     close_llm,
     first_mismatch,
     greedy,
@@ -50,45 +51,16 @@ def vllm_eagle3_llm():
     close_llm(llm)
 
 
-@pytest.fixture(scope="module", params=TRAINING_FREE_POLICIES)
-def eagle3_llm(request):
-    adaptive = {"policy": request.param, "time_policy": True}
-    llm = make_llm(speculative_config=eagle3_config(), additional_config={"adaptive_spec": adaptive})
-    yield request.param, llm
+@pytest.fixture(scope="module")
+def eagle3_llm():
+    llm = make_llm(speculative_config=eagle3_config(), additional_config={"adaptive_spec": {"policy": "fixed"}})
+    yield llm
     close_llm(llm)
 
 
 def test_the_drafter_is_the_shared_loop_in_front_of_vllms_eagle_proposer(eagle3_llm, vllm_eagle3_llm):
-    _, llm = eagle3_llm
-    assert llm.collective_rpc(_drafter_name) == ["AdaptiveEagleProposer"]
+    assert eagle3_llm.collective_rpc(_drafter_name) == ["AdaptiveEagleProposer"]
     assert vllm_eagle3_llm.collective_rpc(_drafter_name) == ["EagleProposer"]
-
-
-def test_lossless_batched(eagle3_llm, lossless_prompts, lossless_reference):
-    _, llm = eagle3_llm
-    got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])  # up to 16 running at once
-    assert got == lossless_reference, first_mismatch(got, lossless_reference)
-
-
-def test_lossless_batch_of_one(eagle3_llm, lossless_prompts, lossless_reference):
-    _, llm = eagle3_llm
-    for i in range(0, 6):
-        got = greedy(llm, lossless_prompts[i : i + 1], MIXED_MAX_TOKENS[i])
-        assert got == lossless_reference[i : i + 1], f"prompt {i}: " + first_mismatch(got, lossless_reference[i:])
-
-
-def test_statistics_timing_and_draft_lengths(eagle3_llm):
-    policy, llm = eagle3_llm
-    (snap,) = released_stats(llm)
-    work = snap["workload"]
-    assert snap["policy"] == policy
-    assert work["n_target"] > 0 and work["n_accepted"] > 0, "the trained head gets drafts accepted"
-    lengths = snap["drafted_len_hist"]
-    assert max(int(k) for k in lengths) <= CAP
-    if policy != "fixed":
-        assert len(lengths) > 1, "an adaptive policy drafts varying lengths"
-    assert snap["timing"]["decides"] > 0 and snap["timing"]["propose_s"] > 0
-    assert snap["requests"] == {} and snap["tracked"] == 0, snap
 
 
 def test_fixed_policy_drafts_what_vllms_eagle_loop_drafts(eagle3_llm, vllm_eagle3_llm):
@@ -97,9 +69,7 @@ def test_fixed_policy_drafts_what_vllms_eagle_loop_drafts(eagle3_llm, vllm_eagle
     also counts drafts accepted past max_tokens, which the plugin never drafts)."""
     from benchmarks.harness.worker import _delta, plugin_totals, request_counts
 
-    policy, llm = eagle3_llm
-    if policy != "fixed":
-        pytest.skip("draft-for-draft equality holds for the fixed policy")
+    llm = eagle3_llm
     prompts = load_prompts("code_heldout", N_LOSSLESS + 20)[N_LOSSLESS:]  # neither engine has seen them
     params = greedy_params(MAX_TOKENS)
     outs = vllm_eagle3_llm.generate(prompts, params, use_tqdm=False)
@@ -113,15 +83,32 @@ def test_fixed_policy_drafts_what_vllms_eagle_loop_drafts(eagle3_llm, vllm_eagle
     assert own["n_draft"] <= vllm["n_draft"]
 
 
-def test_head_trained_for_the_draft_model_fails_on_eagle3():
-    from benchmarks.harness.plan import SPECDECPP_HEAD
+@pytest.fixture(scope="module")
+def eagle3_specdecpp_llm():
+    adaptive = {"policy": "specdecpp", "head": str(EAGLE3_SPECDECPP_HEAD)}
+    llm = make_llm(speculative_config=eagle3_config(), additional_config={"adaptive_spec": adaptive})
+    yield llm
+    close_llm(llm)
+
+
+def test_specdecpp_head_trained_on_the_eagle3_head(eagle3_specdecpp_llm, lossless_prompts, lossless_reference):
+    got = greedy(eagle3_specdecpp_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+    assert got == lossless_reference, first_mismatch(got, lossless_reference)
+    (snap,) = released_stats(eagle3_specdecpp_llm)
+    assert snap["workload"]["n_accepted"] > 0
+    assert len(snap["drafted_len_hist"]) > 1, "the head stops drafts at varying lengths"
+    assert snap["requests"] == {} and snap["tracked"] == 0, snap
+
+
+@pytest.mark.parametrize("method, head", [("eagle3", SPECDECPP_HEAD), ("draft_model", EAGLE3_SPECDECPP_HEAD)])
+def test_a_head_trained_for_one_drafter_fails_on_the_other(method, head):
     from vllm_adaptive_spec import ConfigError
 
     start = time.monotonic()
     with pytest.raises(ConfigError) as err:
         make_llm(
-            speculative_config=eagle3_config(),
-            additional_config={"adaptive_spec": {"policy": "specdecpp", "head": str(SPECDECPP_HEAD)}},
+            speculative_config=vllm_run.spec_config(CAP, method),
+            additional_config={"adaptive_spec": {"policy": "specdecpp", "head": str(head)}},
         )
     msg = str(err.value)
     assert msg.startswith("adaptive_spec.head: ") and "the running draft is" in msg, msg
