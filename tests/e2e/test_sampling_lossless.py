@@ -88,10 +88,7 @@ def run_sampling_check(disable_fix: bool) -> float:
 
     if disable_fix:
         os.environ["VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX"] = "1"
-    # 64 requests per engine step: the 3,000 short requests take a quarter of the steps 16 would
-    llm = make_llm(
-        speculative_config=spec_config(4), additional_config={"adaptive_spec": {"policy": "fixed"}}, max_num_seqs=64
-    )
+    llm = make_llm(speculative_config=spec_config(4), additional_config={"adaptive_spec": {"policy": "fixed"}})
     try:
         triples = sample_triples(llm, _prompt(), N_SAMPLES)
     finally:
