@@ -241,7 +241,8 @@ def main() -> None:
         for c in plan.cells
         if (not args.counts_only or not c.timed) and (not args.workloads or c.workload in args.workloads)
     ]
-    suffix = use_drafter(args, plan) + use_scaled_models(args, plan)
+    scaled = use_scaled_models(args, plan)
+    suffix = use_drafter(args, plan) + scaled
     base = default_out(args.full).with_name("regime") if args.regime else default_out(args.full)
     out = args.out or base.with_name(base.name + suffix)
     out.mkdir(parents=True, exist_ok=True)
@@ -270,11 +271,13 @@ def main() -> None:
     results.sort(key=lambda r: order.get(r["config"]["name"], 1e9))
     if args.compare:
         (out / "previous_report.json").write_text(args.compare.read_text())
-    if suffix:
+    if scaled:
         check_same_tokens(results, default_out(True) / "raw" / "no_speculation.json", out)
     title = "Benchmark harness: full run" if args.full else "Benchmark harness: short run"
-    if suffix:
-        title += f" (cost-scaled copies:{suffix.replace('_', ' ')})"
+    if args.drafter != "draft_model":
+        title += f", drafter {args.drafter}"
+    if scaled:
+        title += f" (cost-scaled copies:{scaled.replace('_', ' ')})"
     table = report.write(results, environment(), out, title)
     print(report.headline(table))
     print(f"\nreport: {out / 'report.md'}")
