@@ -53,23 +53,33 @@ def _report_path(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".safetensors") + ".report.json")
 
 
-def _train_pacer(args: argparse.Namespace) -> None:
+def _run_training(args: argparse.Namespace, module: str, train_name: str) -> tuple[dict, Path]:
+    """Shared steps of every `train` subcommand: threads, responses, the pipeline's TrainConfig
+    from the options given, the pipeline itself, the JSON report beside its output."""
+    import importlib
+
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from vllm_adaptive_spec.training.pacer import TrainConfig, train_pacer
-
+    pipeline = importlib.import_module(f"vllm_adaptive_spec.training.{module}")
     responses = _responses(args)
     if args.n_responses:
         responses = responses[: args.n_responses]
-    cfg = TrainConfig(
-        **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+    config_class = pipeline.TrainConfig
+    cfg = config_class(
+        **{f.name: getattr(args, f.name) for f in fields(config_class) if getattr(args, f.name, None) is not None}
     )
     extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
-    report = train_pacer(args.target, args.draft, responses, args.out, cfg, extra)
+    drafter = () if getattr(args, "draft", None) is None else (args.draft,)
+    report = getattr(pipeline, train_name)(args.target, *drafter, responses, args.out, cfg, extra)
     report_path = _report_path(args.out)
     report_path.write_text(json.dumps(report, indent=1) + "\n")
+    return report, report_path
+
+
+def _train_pacer(args: argparse.Namespace) -> None:
+    report, report_path = _run_training(args, "pacer", "train_pacer")
     m, meta = report["metrics"], report["meta"]
     print(
         f"pre-verifier: {args.out} ({report['parameters']:,} parameters); BCE train {m['train']['bce']:.4f}, "
@@ -79,24 +89,10 @@ def _train_pacer(args: argparse.Namespace) -> None:
 
 
 def _train_specdecpp(args: argparse.Namespace) -> None:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from vllm_adaptive_spec.training.specdecpp import TrainConfig, train_specdecpp
-    from vllm_adaptive_spec.training.specdecpp_eagle3 import train_specdecpp_eagle3
-
-    responses = _responses(args)
-    if args.n_responses:
-        responses = responses[: args.n_responses]
-    cfg = TrainConfig(
-        **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
-    )
-    extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
-    train = train_specdecpp_eagle3 if args.drafter == "eagle3" else train_specdecpp
-    report = train(args.target, args.draft, responses, args.out, cfg, extra)
-    report_path = _report_path(args.out)
-    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    if args.drafter == "eagle3":  # the head's own chains (training/specdecpp_eagle3.py)
+        report, report_path = _run_training(args, "specdecpp_eagle3", "train_specdecpp_eagle3")
+    else:
+        report, report_path = _run_training(args, "specdecpp", "train_specdecpp")
     m = report["metrics"]
     print(
         f"head: {args.out} ({report['parameters']:,} parameters); binary KL train {m['train']['binary_kl']:.4f}, "
@@ -106,22 +102,7 @@ def _train_specdecpp(args: argparse.Namespace) -> None:
 
 
 def _train_eagle3(args: argparse.Namespace) -> None:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from vllm_adaptive_spec.training.eagle3 import TrainConfig, train_eagle3
-
-    responses = _responses(args)
-    if args.n_responses:
-        responses = responses[: args.n_responses]
-    cfg = TrainConfig(
-        **{f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
-    )
-    extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
-    report = train_eagle3(args.target, responses, args.out, cfg, extra)
-    report_path = _report_path(args.out)
-    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    report, report_path = _run_training(args, "eagle3", "train_eagle3")
     held, chains = report["metrics"]["heldout"], report["metrics"]["heldout_chains"]
     print(
         f"EAGLE-3 head: {args.out} ({report['parameters']:,} parameters); held-out agreement per step "
@@ -143,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="draft_model",
         help="what --draft is: a draft model, or an EAGLE-3 head directory (greedy chains of the head)",
     )
-    sp.add_argument("--n-responses", type=int, help="use the first N cached responses")
     for name in ("depth", "epochs", "batch_size", "cap", "replay_responses"):
         sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     for name in ("weight", "mix", "lr", "weight_decay", "val_frac", "cost_ratio"):
@@ -151,7 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(run=_train_specdecpp)
     pc = train.add_parser("pacer", help="Pacer blockwise pre-verifier")
     _common_options(pc)
-    pc.add_argument("--n-responses", type=int, help="use the first N cached responses")
     pc.add_argument("--halting", choices=("mean", "any", "last"), help="halting rule for the replay (default mean)")
     pc.add_argument("--no-position", dest="use_position", action="store_const", const=False, help="ablation: no e_i")
     for name in (
@@ -172,7 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     pc.set_defaults(run=_train_pacer)
     e3 = train.add_parser("eagle3", help="EAGLE-3 draft head (a vLLM eagle3 model directory)")
     _common_options(e3, draft=False)
-    e3.add_argument("--n-responses", type=int, help="use the first N cached responses")
     e3.add_argument(
         "--aux-layer-ids", type=lambda v: tuple(int(x) for x in v.split(",")), help="target layer ids, e.g. 1,2,3"
     )
@@ -191,6 +169,7 @@ def _common_options(sp: argparse.ArgumentParser, draft: bool = True) -> None:
     sp.add_argument("--prompts", type=Path, required=True, help="JSONL with a 'prompt' field per line")
     sp.add_argument("--out", type=Path, required=True, help="head file (.safetensors) or directory (eagle3) to write")
     sp.add_argument("--n-prompts", type=int, help="use the first N prompts")
+    sp.add_argument("--n-responses", type=int, help="use the first N cached responses")
     sp.add_argument("--max-tokens", type=int, default=128, help="target response length")
     sp.add_argument("--responses-modes", default="greedy", help="target responses: greedy,sampled")
     sp.add_argument("--responses", type=Path, help="JSONL cache of target responses: reused if present, else written")

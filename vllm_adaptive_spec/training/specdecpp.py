@@ -222,6 +222,35 @@ def is_heldout(resp: data.Response, val_frac: float) -> bool:
     return int.from_bytes(digest[:4], "big") / 2**32 < val_frac
 
 
+def save_with_report(
+    out: str | Path,
+    head: SpecDecHead,
+    cfg: TrainConfig,
+    meta: dict[str, Any],
+    history: list,
+    metrics: dict[str, dict],
+    replay: dict,
+    seconds: dict[str, float],
+) -> dict[str, Any]:
+    """Save the head with its metadata (a summary of `metrics`, the commit); returns the full report."""
+    keys = ("binary_kl", "weighted_bce", "binary_kl_constant_baseline", "examples")
+    meta = {
+        **meta,
+        "metrics": {name: {k: m[k] for k in keys} for name, m in metrics.items()},
+        "commit": project_commit(),
+    }
+    save_specdecpp(out, head, meta)
+    return {
+        "config": asdict(cfg),
+        "meta": meta,
+        "parameters": sum(p.numel() for p in head.parameters()),
+        "history": history,
+        "metrics": metrics,
+        "replay": replay,
+        "seconds": seconds,
+    }
+
+
 def train_specdecpp(
     target: str | Path,
     draft: str | Path,
@@ -278,26 +307,13 @@ def train_specdecpp(
             "bce_weight": cfg.weight,
             **(extra_meta or {}),
         },
-        "metrics": {
-            name: {k: m[k] for k in ("binary_kl", "weighted_bce", "binary_kl_constant_baseline", "examples")}
-            for name, m in metrics.items()
-        },
-        "commit": project_commit(),
     }
-    save_specdecpp(out, head, meta)
-    report = {
-        "config": asdict(cfg),
-        "meta": meta,
-        "parameters": sum(p.numel() for p in head.parameters()),
-        "history": history,
-        "metrics": metrics,
-        "replay": replay,
-        "seconds": {
-            "label": round(labelled - started, 1),
-            "train": round(trained - labelled, 1),
-            "replay": round(time.perf_counter() - trained, 1),
-        },
+    seconds = {
+        "label": round(labelled - started, 1),
+        "train": round(trained - labelled, 1),
+        "replay": round(time.perf_counter() - trained, 1),
     }
+    report = save_with_report(out, head, cfg, meta, history, metrics, replay, seconds)
     logger.info(
         "head saved to %s: binary KL train %.4f held-out %.4f; threshold %.2f",
         out,

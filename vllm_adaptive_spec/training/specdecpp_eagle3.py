@@ -22,19 +22,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vllm_adaptive_spec.heads.eagle3 import draft_chains, load_hf_dir
-from vllm_adaptive_spec.heads.fileformat import draft_identity, project_commit
-from vllm_adaptive_spec.heads.specdecpp import SpecDecHead, save_specdecpp, stop_lengths
+from vllm_adaptive_spec.heads.fileformat import draft_identity
+from vllm_adaptive_spec.heads.specdecpp import SpecDecHead, stop_lengths
 from vllm_adaptive_spec.metrics import SpecCounts, replay_row
 from vllm_adaptive_spec.training import data
 from vllm_adaptive_spec.training.eagle3 import accepted_prefix, target_features
-from vllm_adaptive_spec.training.specdecpp import TrainConfig, evaluate, fit_head, is_heldout
+from vllm_adaptive_spec.training.specdecpp import TrainConfig, evaluate, fit_head, is_heldout, save_with_report
 
 logger = logging.getLogger(__name__)
 
@@ -143,25 +142,13 @@ def train_specdecpp_eagle3(
             "bce_weight": cfg.weight,
             **(extra_meta or {}),
         },
-        "metrics": {
-            name: {k: m[k] for k in ("binary_kl", "weighted_bce", "binary_kl_constant_baseline", "examples")}
-            for name, m in metrics.items()
-        },
-        "commit": project_commit(),
     }
-    save_specdecpp(out, head, meta)
-    report = {
-        "config": asdict(cfg),
-        "meta": meta,
-        "parameters": sum(p.numel() for p in head.parameters()),
-        "history": history,
-        "metrics": metrics,
-        "replay": {"responses": len(replayed), "fixed": fixed, "thresholds": sweep, "best": best},
-        "seconds": {
-            "chains": round(labelled - started, 1),
-            "train": round(trained - labelled, 1),
-            "replay": round(time.perf_counter() - trained, 1),
-        },
+    seconds = {
+        "chains": round(labelled - started, 1),
+        "train": round(trained - labelled, 1),
+        "replay": round(time.perf_counter() - trained, 1),
     }
+    replay_summary = {"responses": len(replayed), "fixed": fixed, "thresholds": sweep, "best": best}
+    report = save_with_report(out, head, cfg, meta, history, metrics, replay_summary, seconds)
     logger.info("head saved to %s: %s", out, json.dumps(report["meta"]["metrics"]))
     return report
