@@ -16,8 +16,10 @@ Copies are written under benchmarks/models/_scaled/ (ignored by git: hundreds
 of MB), with a stamp naming the source's fingerprint, the factor and the
 seed; an existing copy with the same stamp is reused. Drafters that read the
 target's hidden states (EAGLE-3, DFlash) see the same hidden states from a
-scaled target; a scaled draft model has other weights, so heads trained for
-the original draft do not load on it (their fingerprint covers the weights).
+scaled target. A scaled draft model has other weights, so heads trained for
+the original draft do not load on it (their fingerprint covers the weights);
+its hidden states are the original's, so `restamped_head` writes a copy of a
+head whose recorded draft is the scaled copy (same tensors, cached beside it).
 """
 
 from __future__ import annotations
@@ -89,6 +91,25 @@ def scaled_copy(model: Path, mlp_factor: int, out: Path | None = None, seed: int
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(wide, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+    return out
+
+
+def restamped_head(head: Path, scaled_draft: Path) -> Path:
+    """A copy of a trained head file that records `scaled_draft` as its draft: the scaled copy computes
+    the original draft's function (same hidden states, same tokens), so the head's inputs are unchanged.
+    Its metadata keeps the original draft under `restamped_from`. Written under the scaled draft's folder."""
+    from vllm_adaptive_spec.heads.fileformat import draft_identity, load_head_file, save_head_file
+
+    head, scaled_draft = Path(head), Path(scaled_draft)
+    stamp = json.loads((scaled_draft / STAMP).read_text())
+    loaded = load_head_file(head, "head")
+    original = loaded.meta.get("draft", {})
+    if original.get("fingerprint") != draft_identity(stamp["source"])["fingerprint"]:
+        raise ValueError(f"head: {head} was not trained for {stamp['source']}, the scaled copy's source")
+    out = scaled_draft / "heads" / head.name
+    meta = {k: v for k, v in loaded.meta.items() if k != "format_version"}
+    meta |= {"draft": draft_identity(scaled_draft), "restamped_from": original}
+    save_head_file(out, loaded.tensors, meta)
     return out
 
 

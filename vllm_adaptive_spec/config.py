@@ -14,10 +14,13 @@ from typing import Any
 
 from vllm_adaptive_spec.errors import ConfigError
 from vllm_adaptive_spec.policies import POLICY_CLASSES, StopPolicy
+from vllm_adaptive_spec.policies.batch_gate import BatchGate
+from vllm_adaptive_spec.policies.costs import load_costs
 
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
-PLUGIN_FIELDS = ("policy", "time_policy")  # fields of the plugin itself; the rest are the policy's
+PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs")  # the plugin's own; the rest are the policy's
+BASELINES = ("fixed", "vllm_av")  # policies the batch gate is off for unless asked (vllm_av: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
 
 
@@ -26,6 +29,8 @@ class AdaptiveSpecConfig:
     policy: str = "fixed"
     params: dict[str, Any] = field(default_factory=dict)  # the policy's constructor keywords
     time_policy: bool = False  # measure the policy's own time in the engine (policies/timing.py)
+    batch_aware: bool = False  # the batch gate (policies/batch_gate.py); default on for adaptive policies
+    costs: str | None = None  # cost-curve file (policies/costs.py); None: the curves measured here
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -37,6 +42,18 @@ class AdaptiveSpecConfig:
         time_policy = raw.get("time_policy", cls.time_policy)
         if not isinstance(time_policy, bool):
             raise ConfigError(f"{CONFIG_KEY}.time_policy: expected true or false, got {time_policy!r}")
+        batch_aware = raw.get("batch_aware", policy not in BASELINES)
+        if not isinstance(batch_aware, bool):
+            raise ConfigError(f"{CONFIG_KEY}.batch_aware: expected true or false, got {batch_aware!r}")
+        if batch_aware and policy == "vllm_av":
+            raise ConfigError(
+                f"{CONFIG_KEY}.batch_aware: true does not combine with policy 'vllm_av' (it drafts the full K)"
+            )
+        costs = raw.get("costs")
+        if costs is not None:
+            if not isinstance(costs, str) or not costs:
+                raise ConfigError(f"{CONFIG_KEY}.costs: expected a path to a cost file, got {costs!r}")
+            load_costs(costs)  # a bad file fails here, at start-up
         specs = POLICY_CLASSES[policy].PARAMS
         params = {}
         for key, value in raw.items():
@@ -55,10 +72,15 @@ class AdaptiveSpecConfig:
         for key, spec in specs.items():
             if spec.required and key not in params:
                 raise ConfigError(f"{CONFIG_KEY}.{key}: required for policy {policy!r}")
-        return cls(policy=policy, params=params, time_policy=time_policy)
+        return cls(policy=policy, params=params, time_policy=time_policy, batch_aware=batch_aware, costs=costs)
 
     def build_policy(self) -> StopPolicy:
-        return POLICY_CLASSES[self.policy](**self.params)
+        cls = POLICY_CLASSES[self.policy]
+        extra = {"costs": load_costs(self.costs)} if getattr(cls, "uses_costs", False) else {}
+        return cls(**self.params, **extra)
+
+    def build_gate(self) -> BatchGate | None:
+        return BatchGate(load_costs(self.costs)) if self.batch_aware else None
 
     @property
     def is_fixed(self) -> bool:

@@ -1,7 +1,11 @@
 """Speculative-decoding metrics with the exact definitions of ALGORITHMS.md.
 
 Counts per request, summed over a workload: N_gen generated tokens, N_T
-target verification steps, N_D draft tokens proposed, N_acc accepted. Also
+target verification steps, N_D draft tokens proposed, N_acc accepted; and
+N_drawn, every draft token the draft computed, verified or not (a policy
+that drops y_t after looking at q_t paid the forward that produced q_t; a
+rule that trims after drafting paid for every trimmed token). The draft side
+of the modeled speedup is charged on N_drawn where it is recorded. Also
 the greedy simulators used for the oracle: given whether the draft's greedy
 token matches the target's at each generated position (one teacher-forced
 draft pass over the target's greedy output), a fixed-K run and the oracle
@@ -20,6 +24,7 @@ class SpecCounts:
     n_target: int = 0  # target verification steps
     n_draft: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens accepted
+    n_drawn: int = 0  # draft tokens computed, verified or dropped (0: not recorded, then N_D)
     accepted_hist: Counter = field(default_factory=Counter)  # accepted length per step -> steps
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] steps whose draft j was accepted
     drafted_per_pos: list[int] = field(default_factory=list)  # [K] steps that drafted a token at j
@@ -36,14 +41,19 @@ class SpecCounts:
     def verification_rate(self) -> float:
         return self.n_target / self.n_gen if self.n_gen else float("nan")
 
+    @property
+    def draft_cost_tokens(self) -> int:  # what the draft side is charged for: N_drawn, else N_D
+        return max(self.n_drawn, self.n_draft)
+
     def modeled_speedup(self, c: float, overhead: float = 0.0) -> float:
-        return modeled_speedup(self.n_gen, self.n_target, self.n_draft, c, overhead)
+        return modeled_speedup(self.n_gen, self.n_target, self.draft_cost_tokens, c, overhead)
 
     def add(self, other: SpecCounts) -> None:
         self.n_gen += other.n_gen
         self.n_target += other.n_target
         self.n_draft += other.n_draft
         self.n_accepted += other.n_accepted
+        self.n_drawn += other.n_drawn
         self.accepted_hist.update(other.accepted_hist)
         self.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)
         self.drafted_per_pos = _add_lists(self.drafted_per_pos, other.drafted_per_pos)
@@ -64,6 +74,7 @@ class SpecCounts:
             "n_target": self.n_target,
             "n_draft": self.n_draft,
             "n_accepted": self.n_accepted,
+            "n_drawn": self.n_drawn,
             "accepted_hist": dict(sorted(self.accepted_hist.items())),
             "drafted_per_pos": list(self.drafted_per_pos),
             "accepted_per_pos": list(self.accepted_per_pos),

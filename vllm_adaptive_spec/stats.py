@@ -30,9 +30,15 @@ class StatsBook:
                 continue
             self.live.setdefault(req_id, SpecCounts()).record_step(drafted=n_d, accepted=n_g - 1)
 
-    def record_proposal(self, lengths: list[int], forwards: int) -> None:
+    def record_proposal(
+        self, lengths: list[int], forwards: int, req_ids: list[str] | None = None, drawn: list[int] | None = None
+    ) -> None:
+        """One round: per request, drafts proposed (`lengths`) and drafts computed (`drawn`, dropped ones too)."""
         self.forwards_per_step[forwards] += 1
         self.drafted_len_hist.update(lengths)
+        for req_id, n in zip(req_ids or [], drawn or []):
+            if n > 0:
+                self.live.setdefault(req_id, SpecCounts()).n_drawn += n
 
     def finish(self, req_id: str) -> None:
         counts = self.live.pop(req_id, None)

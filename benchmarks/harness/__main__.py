@@ -32,6 +32,7 @@ from benchmarks.harness.plan import (
     Cell,
     Config,
     Plan,
+    batch_plan,
     default_out,
     eagle3_head_configs,
     full_plan,
@@ -114,6 +115,8 @@ def run_interleaved(configs: list[Config], plan: Plan, out: Path, group_size: in
     if not any(c.kind == "nospec" for c in timed):
         timed.insert(0, next(c for c in plan.configs if c.kind == "nospec"))
     failed = []
+    for sub in ("logs", "raw"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
     groups = groups_of(timed, group_size)
     drift: dict[str, list[dict]] = {}
     for index, members in enumerate(tqdm(groups, desc="interleaved groups", unit="group")):
@@ -162,7 +165,7 @@ def _merge_timed(out: Path, config: Config, rows: list[dict]) -> None:
 def use_scaled_models(args: argparse.Namespace, plan: Plan) -> str:
     """Point every worker at cost-scaled copies of the pair (built once, cached); returns the out-dir suffix."""
     from benchmarks import paths
-    from benchmarks.scaled_models import scaled_copy
+    from benchmarks.scaled_models import restamped_head, scaled_copy
 
     suffix = ""
     if args.target_mlp_factor > 1:
@@ -171,10 +174,16 @@ def use_scaled_models(args: argparse.Namespace, plan: Plan) -> str:
     if args.draft_mlp_factor > 1:
         os.environ[paths.DRAFT_ENV] = str(scaled_copy(paths.DRAFT, args.draft_mlp_factor))
         suffix += f"_draft-mlp{args.draft_mlp_factor}"
-        # Trained heads carry the fingerprint of the draft's weights: they do not load on a scaled draft.
-        dropped = [c.name for c in plan.configs if c.adaptive and "head" in c.adaptive]
-        plan.configs[:] = [c for c in plan.configs if not (c.adaptive and "head" in c.adaptive)]
-        plan.notes.append(f"scaled draft: configurations with trained heads left out ({len(dropped)})")
+        # Trained heads carry the fingerprint of the draft's weights: they run as copies restamped
+        # for the scaled draft, which computes the same hidden states (scaled_models.restamped_head).
+        scaled_draft = Path(os.environ[paths.DRAFT_ENV])
+        plan.configs[:] = [
+            replace(c, adaptive=c.adaptive | {"head": str(restamped_head(Path(c.adaptive["head"]), scaled_draft))})
+            if c.adaptive and "head" in c.adaptive and c.method == "draft_model"
+            else c
+            for c in plan.configs
+        ]
+        plan.notes.append("scaled draft: trained heads run as copies restamped for it (same tensors)")
     return suffix
 
 
@@ -227,6 +236,7 @@ def main() -> None:
     ap.add_argument("--target-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the target")
     ap.add_argument("--draft-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the draft")
     ap.add_argument("--regime", action="store_true", help="the batch-1 regime plan (use with the mlp factors)")
+    ap.add_argument("--batched", action="store_true", help="the batched plan: batch-aware stopping against baselines")
     ap.add_argument("--counts-only", action="store_true", help="only the count cells (no wall clock)")
     ap.add_argument("--workloads", nargs="*", help="only these prompt families (e.g. code_heldout)")
     ap.add_argument(
@@ -235,16 +245,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.drafter != "draft_model" and args.draft_mlp_factor > 1:
         ap.error("--draft-mlp-factor scales the draft model; with --drafter eagle3 scale the target only")
-    plan = regime_plan() if args.regime else full_plan() if args.full else short_plan()
+    plan = (
+        regime_plan() if args.regime else batch_plan() if args.batched else full_plan() if args.full else short_plan()
+    )
     plan.cells[:] = [
         c
         for c in plan.cells
         if (not args.counts_only or not c.timed) and (not args.workloads or c.workload in args.workloads)
     ]
     scaled = use_scaled_models(args, plan)
-    suffix = use_drafter(args, plan) + scaled
-    base = default_out(args.full).with_name("regime") if args.regime else default_out(args.full)
-    out = args.out or base.with_name(base.name + suffix)
+    drafter = use_drafter(args, plan)
+    base = default_out(args.full)
+    if args.regime or args.batched:
+        base = base.with_name("regime" if args.regime else "batched")
+    out = args.out or base.with_name(base.name + drafter + scaled)
+    unscaled = base.with_name(base.name + drafter)  # the same plan on the pair as shipped
     out.mkdir(parents=True, exist_ok=True)
     configs = [c for c in plan.configs if not args.only or any(o in c.name for o in args.only)]
     # no speculation first (the others compare with it), the oracle last (it replays its outputs)
@@ -272,8 +287,9 @@ def main() -> None:
     if args.compare:
         (out / "previous_report.json").write_text(args.compare.read_text())
     if scaled:
-        check_same_tokens(results, default_out(True) / "raw" / "no_speculation.json", out)
-    title = "Benchmark harness: full run" if args.full else "Benchmark harness: short run"
+        check_same_tokens(results, unscaled / "raw" / "no_speculation.json", out)
+    kind = "batch-1 regime" if args.regime else "batched" if args.batched else "full run" if args.full else "short run"
+    title = f"Benchmark harness: {kind}"
     if args.drafter != "draft_model":
         title += f", drafter {args.drafter}"
     if scaled:

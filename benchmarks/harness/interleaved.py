@@ -33,6 +33,7 @@ def serve(config: dict, conn, log_path: str) -> None:
         from benchmarks.harness.worker import CellRun, add_prompt_ids, make_engine
 
         cfg = Config(**config)
+        os.environ.update(cfg.env or {})  # before vLLM spawns its engine process, which inherits it
         llm = make_engine(cfg)
         conn.send(("ok", None))
         runs: dict[str, CellRun] = {}

@@ -46,6 +46,7 @@ class Config:
     timed: bool = False  # runs the timed cells too
     workloads: tuple[str, ...] | None = None  # only these prompt families (None: all)
     method: str = "draft_model"  # speculative_config.method: the bundled drafter (benchmarks.paths.DRAFTERS)
+    env: dict | None = None  # environment of the engine's processes (e.g. LD_PRELOAD; benchmarks/preload.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +104,11 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
             for t in (0.1, 0.2, 0.3, 0.5, 0.6)
         ],
         _plugin("heuristic (default)", "heuristic", {"policy": "heuristic"}, 4, timed=True),
+        # the batch gate's ablation: the same defaults with adaptive_spec.batch_aware off
+        *[
+            _plugin(f"{p} (no batch gate)", f"{p} no gate", {"policy": p, "batch_aware": False}, timed=True)
+            for p in ("svip", "confidence")
+        ],
         _plugin("plugin fixed K=16", "plugin fixed", {"policy": "fixed"}, 16),
     ]
     if head_exists:
@@ -194,6 +200,11 @@ def full_plan() -> Plan:
             dynamic=DYNAMIC_SCHEDULE,
             timed=True,
         ),
+        # vLLM's adaptive verification (our implementation): drafts the full K, verifies the best slots
+        *[
+            Config(f"vllm_av K={k}", "plugin", "vllm_av", k, {"policy": "vllm_av"}, sweep=k, timed=k == 4)
+            for k in (4, 8)
+        ],
         *_policy_sweeps(SPECDECPP_HEAD.exists()),
         *_pacer_ablations(),
         Config("HF heuristic (K0=5)", "hf", "HF assisted", 5, hf={"mode": "heuristic", "value": 5}),
@@ -233,6 +244,27 @@ def short_plan() -> Plan:
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16))
 
 
+def batch_plan() -> Plan:
+    """Batched serving (issue: batch-aware drafting): fixed K, vLLM's dynamic SD, vllm_av and the
+    policies with and without the batch gate, timed side by side at batch 4, 16 and 32, greedy
+    (each timed cell also counts exactly)."""
+    names = {
+        "no speculation",
+        *(f"vLLM K={k}" for k in (1, 2, 3)),
+        "vLLM dynamic SD",
+        "vllm_av K=4",
+        "svip h=0.3 (default)",
+        "svip (no batch gate)",
+        "confidence 0.4 (default)",
+        "confidence (no batch gate)",
+        "specdecpp th=0.8 (head default)",
+    }
+    full = full_plan()
+    configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
+    cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
+    return Plan(configs, cells, notes=["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"])
+
+
 def regime_plan() -> Plan:
     """Batch-1 wall clock on cost-scaled copies (--target-mlp-factor / --draft-mlp-factor): fixed K,
     vLLM's dynamic SD and every policy at its default, interleaved. The cells are the full plan's
@@ -242,6 +274,7 @@ def regime_plan() -> Plan:
         *(f"vLLM K={k}" for k in (1, 2, 3, 4, 6)),
         "vLLM dynamic SD",
         "svip h=0.3 (default)",
+        "adaedl (default)",
         "confidence 0.4 (default)",
         "heuristic (default)",
         "specdecpp th=0.8 (head default)",

@@ -12,8 +12,11 @@ fixed-K engine step over K (least squares over every K run).
 One cost scale for the policies: each plugin row carries its policy's time
 measured inside the engine on that very cell (`time_policy`), at the cell's
 batch size. f = policy time / the rest of the draft side's time, both from
-the same passes, is charged on every drafted token: o = f (N_D/N_gen) / c
-target steps per generated token. Nothing is re-timed when the report is
+the same passes, is charged on every drawn token: o = f (N_drawn/N_gen) / c
+target steps per generated token. The draft side is charged on N_drawn, every
+token the draft computed (a policy that drops y_t paid the forward that drew
+it; vllm_av trims after drafting the full K); rows without the plugin's
+records (vLLM's own loop, the oracle) draw exactly what they propose. Nothing is re-timed when the report is
 rebuilt: raw/ reproduces every column.
 """
 
@@ -31,10 +34,16 @@ from vllm_adaptive_spec.metrics import modeled_speedup
 C_PAPER = 4.0  # the papers' 1.3B/33B pair
 
 
+def drawn(row: dict[str, Any]) -> float:
+    """Draft tokens the row's draft computed: the plugin's N_drawn, else N_D (vLLM's loop, the oracle)."""
+    return max(row.get("n_drawn") or 0, row["n_draft"])
+
+
 def derive(row: dict[str, Any]) -> dict[str, Any]:
     """Exact counts -> tau, discard and verification rates, draft tokens per generated token."""
     n_gen, n_t, n_acc, n_d = row["n_gen"], row["n_target"], row["n_accepted"], row["n_draft"]
     return row | {
+        "drawn_per_token": drawn(row) / n_gen if n_gen else float("nan"),
         "tau": n_gen / n_t if n_t else float("nan"),
         "discard_rate": (n_d - n_acc) / n_gen if n_gen else float("nan"),
         "verification_rate": n_t / n_gen if n_gen else float("nan"),
@@ -99,8 +108,8 @@ def _c_for(cell: dict, ratios: dict[str, dict]) -> dict | None:
 def _charged_speedup(row: dict, c: float, f: float) -> float:
     """S(c) charging the policy f draft steps' worth of time per drafted token: o = f (N_D/N_gen) / c,
     in target steps (a draft step is 1/c of one)."""
-    o = f * row["n_draft"] / row["n_gen"] / c if row["n_gen"] else 0.0
-    return modeled_speedup(row["n_gen"], row["n_target"], row["n_draft"], c, o)
+    o = f * drawn(row) / row["n_gen"] / c if row["n_gen"] else 0.0
+    return modeled_speedup(row["n_gen"], row["n_target"], drawn(row), c, o)
 
 
 def tabulate(results: list[dict]) -> dict[str, Any]:
@@ -157,8 +166,8 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
             oracle.append(
                 r
                 | {
-                    "S_measured_c": modeled_speedup(r["n_gen"], r["n_target"], r["n_draft"], c["c"]) if c else None,
-                    "S_c4": modeled_speedup(r["n_gen"], r["n_target"], r["n_draft"], C_PAPER),
+                    "S_measured_c": modeled_speedup(r["n_gen"], r["n_target"], drawn(r), c["c"]) if c else None,
+                    "S_c4": modeled_speedup(r["n_gen"], r["n_target"], drawn(r), C_PAPER),
                 }
             )
     drift = next((res["drift"] for res in results if res["config"]["kind"] == "nospec" and "drift" in res), {})
@@ -226,17 +235,18 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
                 )
         lines += [
             "",
-            "| config | tau | discard rate | verification rate | draft tok / gen tok | policy cost / draft step "
-            "| S (measured c) | S (c=4) | S(c=4) vs best fixed K | lossless |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| config | tau | discard rate | verification rate | draft tok / gen tok | drawn tok / gen tok "
+            "| policy cost / draft step | S (measured c) | S (c=4) | S(c=4) vs best fixed K | lossless |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         best4 = best_by(fixed, "S_c4")
         for r in here:
             rel = r["S_c4"] / best4["S_c4"] if best4 else None
             lines.append(
                 f"| {r['config']} | {_fmt(r['tau'])} | {_fmt(r['discard_rate'])} | {_fmt(r['verification_rate'])} "
-                f"| {_fmt(r['draft_per_token'])} | {_fmt(r['policy_cost_frac_of_draft_step'], '.1%')} "
-                f"| {_fmt(r['S_measured_c'], '.3f')} | {_fmt(r['S_c4'], '.3f')} | {_fmt(rel, '.3f')}x "
+                f"| {_fmt(r['draft_per_token'])} | {_fmt(r['drawn_per_token'])} "
+                f"| {_fmt(r['policy_cost_frac_of_draft_step'], '.1%')} | {_fmt(r['S_measured_c'], '.3f')} "
+                f"| {_fmt(r['S_c4'], '.3f')} | {_fmt(rel, '.3f')}x "
                 f"| {_fmt(r['lossless'], '.0%')} |"
             )
         orc = [o for o in replay if o["cell"]["key"] == key and o["oracle"]]
@@ -406,9 +416,9 @@ def pacer_ablation_section(table: dict[str, Any], key: str = "count/code_heldout
         "| config | tau | draft tok / gen tok | S(c=4), no cost | vs layer defaults |",
         "|---|---|---|---|---|",
     ]
-    s0 = modeled_speedup(base["n_gen"], base["n_target"], base["n_draft"], C_PAPER)
+    s0 = modeled_speedup(base["n_gen"], base["n_target"], drawn(base), C_PAPER)
     for r in [base, *abl]:
-        s4 = modeled_speedup(r["n_gen"], r["n_target"], r["n_draft"], C_PAPER)
+        s4 = modeled_speedup(r["n_gen"], r["n_target"], drawn(r), C_PAPER)
         lines.append(f"| {r['config']} | {r['tau']:.3f} | {r['draft_per_token']:.3f} | {s4:.3f} | {s4 / s0:.3f}x |")
     return lines
 

@@ -78,10 +78,11 @@ def plugin_totals(llm) -> dict[str, Any]:
     draft forwards per engine step and the policy's in-engine timing."""
     from vllm_adaptive_spec.integration.runtime import get_stats
 
-    out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "hist": {}, "forwards": {}}
+    out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
+    out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
     for snap in get_stats(llm):
-        for key in ("n_gen", "n_target", "n_draft", "n_accepted"):
+        for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn"):
             out[key] += snap["workload"][key]
         for name, src in (("hist", "drafted_len_hist"), ("forwards", "forwards_per_step")):
             for k, n in snap[src].items():
@@ -158,7 +159,7 @@ class CellRun:
         row |= delta  # vLLM's counters; the exact counts below replace n_gen and n_draft
         if self.plugin:
             own = _delta(plugin_totals(self.llm), self.own0, cell.repeats)
-            row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted")}
+            row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn")}
             row["draft_len_hist"] = dict(sorted(own["hist"].items()))
             row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
             row["policy_timing"] = own["timing"]  # per pass, this cell's batch size

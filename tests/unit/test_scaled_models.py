@@ -63,3 +63,25 @@ def test_scaled_copy_is_cached_by_its_stamp(scaled_toy):
 def test_bad_factor_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mlp_factor"):
         scaled_copy(TARGET, 0, tmp_path / "x")
+
+
+def test_head_restamped_for_a_scaled_draft(tmp_path):
+    """A scaled draft computes the original's hidden states: its restamped head loads on it (same
+    tensors), and the original head still refuses it."""
+    from benchmarks.paths import DRAFT, REPO
+    from benchmarks.scaled_models import restamped_head
+    from vllm_adaptive_spec.config import ConfigError
+    from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_file, read_head_meta
+
+    head = REPO / "heads" / "toy" / "specdecpp.safetensors"
+    wide = scaled_copy(DRAFT, 2, tmp_path / "toy-draft-mlp2")
+    copy = restamped_head(head, wide)
+    assert copy.parent == wide / "heads"
+    check_draft(read_head_meta(copy, "head"), copy, wide, "head")
+    with pytest.raises(ConfigError, match="trained for draft"):
+        check_draft(read_head_meta(head, "head"), head, wide, "head")
+    original, restamped = load_head_file(head, "head"), load_head_file(copy, "head")
+    assert all(torch.equal(original.tensors[k], restamped.tensors[k]) for k in original.tensors)
+    assert restamped.meta["restamped_from"] == original.meta["draft"]
+    with pytest.raises(ValueError, match="not trained for"):
+        restamped_head(head, scaled_copy(TARGET, 2, tmp_path / "toy-target-mlp2"))

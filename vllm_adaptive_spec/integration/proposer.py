@@ -23,6 +23,7 @@ are computed and dropped), so the batch shape never changes mid-round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -79,6 +80,7 @@ class AdaptiveDraftLoop:
         self.policy: StopPolicy = cfg.build_policy()
         self.policy.device = device
         self.stats = StatsBook()
+        self.gate = cfg.build_gate()  # batch-aware stopping beside the policy, or None
         if cfg.time_policy:
             self.stats.clock = Clock()
             self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
@@ -104,11 +106,11 @@ class AdaptiveDraftLoop:
         drafted = self._verified_drafts or [0] * batch
         self.stats.record_verification(req_ids, drafted, generated)
         decoding = [i for i, n in enumerate(generated) if n > 0 and drafted[i] > 0]
-        self.policy.end_round(
-            [req_ids[i] for i in decoding],
-            [drafted[i] for i in decoding],
-            [generated[i] - 1 for i in decoding],
-        )
+        outcome = ([req_ids[i] for i in decoding], [drafted[i] for i in decoding], [generated[i] - 1 for i in decoding])
+        self.policy.end_round(*outcome)
+        if self.gate is not None:
+            with self._timed():
+                self.gate.end_round(*outcome)
         return generated
 
     def release_requests(self, finished: Any, preempted: Any) -> None:
@@ -116,9 +118,10 @@ class AdaptiveDraftLoop:
         their statistics; finished and preempted ones lose their policy state."""
         for req_id in finished:
             self.stats.finish(req_id)
+        for req_id in [*finished, *preempted]:
             self.policy.forget(req_id)
-        for req_id in preempted:
-            self.policy.forget(req_id)
+            if self.gate is not None:
+                self.gate.forget(req_id)
 
     def _round_limits(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
         """Per request: the policy's length bound, never past max_tokens or the model length."""
@@ -165,6 +168,19 @@ class AdaptiveDraftLoop:
         self._sync()
         clock.propose_s += time.perf_counter() - start
         return out
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """The batch gate's time counts as the policy's (time_policy): both are the plugin's overhead."""
+        clock = self.stats.clock
+        if clock is None:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        clock.policy_s += time.perf_counter() - start
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -226,7 +242,11 @@ class AdaptiveDraftLoop:
         limit = torch.tensor(limits, device=hidden.device)  # [B]
         active = limit > 0  # [B] rows still drafting
         lengths = torch.zeros(batch, dtype=torch.long, device=hidden.device)  # [B] tokens kept
+        drawn = torch.zeros_like(lengths)  # [B] tokens drawn while the row was drafting (kept or dropped)
         temperature = None if sampling_metadata.all_greedy else sampling_metadata.temperature
+        if self.gate is not None:
+            with self._timed():
+                self.gate.start_round(req_ids, cap, hidden.device)
         tokens_per_step: list[torch.Tensor] = []  # each [B]
         probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
 
@@ -255,10 +275,15 @@ class AdaptiveDraftLoop:
                 forwards += 1
             logits = self.model.compute_logits(hidden)  # [B, V]
             tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
-            decision = self.policy.decide(policy_logprobs(logits, temperature), tokens, t, hidden)
+            logp = policy_logprobs(logits, temperature)  # [B, V]
+            decision = self.policy.decide(logp, tokens, t, hidden)
             keep = active & decision.keep
+            drawn += active
             lengths += keep
             active = keep & ~decision.stop & (limit > t + 1)
+            if self.gate is not None:  # ends the round for every row once another step does not pay
+                with self._timed():
+                    active = active & self.gate.after_step(logp, keep, active, lengths, t)
             if self._tp_group is not None:
                 both = self._tp_group.broadcast(torch.stack([active.long(), lengths]), src=0)  # [2, B]
                 active, lengths = both[0].bool(), both[1].clone()
@@ -266,12 +291,20 @@ class AdaptiveDraftLoop:
             if draft_probs is not None:
                 probs_per_step.append(draft_probs)
 
+        if self.gate is not None:
+            with self._timed():
+                self.gate.finish_round()
+        if self.policy.trims:  # e.g. vllm_av: the whole round drafted, now choose what is verified
+            lengths = self.policy.admit(lengths)
+            if self._tp_group is not None:
+                lengths = self._tp_group.broadcast(lengths.clone(), src=0)
         if probs_per_step:
             self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
-        # [B, 1 + T]: length, then drafts; one host copy per round
-        rows = torch.cat([lengths.unsqueeze(1), torch.stack(tokens_per_step, dim=1).long()], dim=1).tolist()
-        self.stats.record_proposal([row[0] for row in rows], forwards)
-        return [row[1 : 1 + row[0]] for row in rows]
+        # [B, 2 + T]: length, tokens drawn, then drafts; one host copy per round
+        rows = torch.cat([torch.stack([lengths, drawn], dim=1), torch.stack(tokens_per_step, dim=1).long()], dim=1)
+        rows = rows.tolist()
+        self.stats.record_proposal([row[0] for row in rows], forwards, req_ids, [row[1] for row in rows])
+        return [row[2 : 2 + row[0]] for row in rows]
 
     def _observe_context(self, req_ids: list[str], hidden: torch.Tensor, cad: Any, rejected: torch.Tensor | None):
         """Give the policy the first pass's rows of each request's verified tokens (one host copy per round).

@@ -8,10 +8,20 @@ from vllm_adaptive_spec.policies.heuristic import HeuristicPolicy
 from vllm_adaptive_spec.policies.pacer import PacerPolicy
 from vllm_adaptive_spec.policies.specdecpp import SpecDecPPPolicy
 from vllm_adaptive_spec.policies.svip import SvipPolicy
+from vllm_adaptive_spec.policies.vllm_av import VllmAvPolicy
 
 POLICY_CLASSES: dict[str, type[StopPolicy]] = {
     cls.name: cls
-    for cls in (FixedPolicy, SvipPolicy, AdaEdlPolicy, ConfidencePolicy, HeuristicPolicy, SpecDecPPPolicy, PacerPolicy)
+    for cls in (
+        FixedPolicy,
+        SvipPolicy,
+        AdaEdlPolicy,
+        ConfidencePolicy,
+        HeuristicPolicy,
+        SpecDecPPPolicy,
+        PacerPolicy,
+        VllmAvPolicy,
+    )
 }
 
 __all__ = ["POLICY_CLASSES", "StepDecision", "StopPolicy", "entropy"]

@@ -82,6 +82,14 @@ class StopPolicy:
         ok = finite_rows(logp)
         return StepDecision(keep=ok, stop=~ok)
 
+    trims = False  # True: the proposer calls admit after the round's loop
+
+    def admit(self, lengths: torch.Tensor) -> torch.Tensor:
+        """After the loop (only for policies with trims): lengths [B], the drafts each row holds ->
+        how many of them go to verification (a prefix of each). Decided from what was known
+        before each trimmed draft was drawn, like every keep decision."""
+        return lengths
+
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         """Feedback after verification: per request, tokens drafted and accepted."""
 

@@ -52,6 +52,7 @@ class TimedPolicy(StopPolicy):
         self.inner, self.clock, self._sync = inner, clock, sync
         self.name = inner.name
         self.observes_context = inner.observes_context
+        self.trims = inner.trims
 
     def _start(self) -> float:
         if self._sync is not None:
@@ -88,6 +89,12 @@ class TimedPolicy(StopPolicy):
         out = self.inner.decide(logp, tokens, t, hidden)
         self._stop(start)
         self.clock.decides += 1
+        return out
+
+    def admit(self, lengths: torch.Tensor) -> torch.Tensor:
+        start = self._start()
+        out = self.inner.admit(lengths)
+        self._stop(start)
         return out
 
     def end_round(self, req_ids, drafted, accepted) -> None:

@@ -1,0 +1,137 @@
+"""Per-position acceptance estimates, fitted online from verification outcomes.
+
+The estimator of vLLM's adaptive verification (`acceptance_estimator.py` in
+vLLM 0.32's Model Runner V2), written here from its description: a draft at
+position k is accepted with probability p_k = sigmoid(w f + b_k), where
+f = logit(max_v q_k(v)) is read off the draft *distribution* (not the drawn
+token: a decision on it is made from what was known before the draft was
+drawn, ALGORITHMS.md), w is one slope shared by all positions and b_k one
+intercept per position. After verification the drafts before the first
+rejection are labelled accepted, the first rejected one rejected, later ones
+unobserved; every `refit_interval` rounds one damped Newton (IRLS) step
+refits (w, b). Used by `vllm_av` (which slots to verify) and by the batch
+gate (whether another draft step pays for the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOG_ODDS = 40.0  # the feature's clamp (one-hot rows send it to infinity)
+INIT_SLOPE, INIT_BIAS = 0.5, -0.2  # vLLM's cold start: a fit replaces it within a refit or two
+L2, DAMPING = 1e-3, 50.0  # ridge on the Newton solve; a step moves n / (n + DAMPING) of the way
+
+
+def max_log_odds(logp: torch.Tensor) -> torch.Tensor:
+    """f = log(q_max / (1 - q_max)) of each row's draft distribution, clamped. logp: [B, V] -> [B]."""
+    top = logp.max(dim=-1).values.clamp(max=0.0)  # [B] log q_max
+    rest = torch.log(-torch.expm1(top))  # [B] log(1 - q_max); -inf when q_max == 1
+    return torch.nan_to_num(top - rest, nan=-MAX_LOG_ODDS).clamp(-MAX_LOG_ODDS, MAX_LOG_ODDS)
+
+
+def survival(conf: torch.Tensor) -> torch.Tensor:
+    """Probability that every draft up to k is accepted. conf: [B, K] -> [B, K]."""
+    return torch.cumprod(conf, dim=1)
+
+
+@dataclass
+class OnlineAcceptanceEstimator:
+    """p_k = sigmoid(slope * f + intercepts[k]), fitted by damped Newton-IRLS steps.
+
+    Between refits it accumulates, per position k, the entries of X^T W X (a_k = sum w f^2,
+    b_k = sum w f, c_k = sum w) and X^T (y - p) (g0_k = sum r f, g1_k = sum r) for design rows
+    x = [f, e_k], IRLS weights w = p (1 - p), residuals r = y - p; `refit` solves the arrowhead
+    system (X^T W X + L2 I) d = X^T (y - p) for d = [d_slope, d_intercepts]."""
+
+    k: int
+    slope: float = INIT_SLOPE
+    intercepts: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [K]
+    stats: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [K, 6]: a, b, c, g0, g1, n
+
+    def __post_init__(self):
+        if self.intercepts is None:
+            self.intercepts = torch.full((self.k,), INIT_BIAS, dtype=torch.float64)
+        if self.stats is None:
+            self.stats = torch.zeros(self.k, 6, dtype=torch.float64)
+
+    def predict(self, features: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """features: [B, T] at positions first..first+T-1 (< K) -> acceptance estimates [B, T]."""
+        t = features.shape[1]
+        icpt = self.intercepts[first : first + t].to(features.device, features.dtype)
+        return torch.sigmoid(self.slope * features + icpt)
+
+    def observe(self, features: torch.Tensor, preds: torch.Tensor, accepted: torch.Tensor, admitted: torch.Tensor):
+        """One round's graded drafts. features, preds: [N, T]; accepted, admitted: [N] (accepted <= admitted)."""
+        t = features.shape[1]
+        steps = torch.arange(t, device=features.device)[None, :]  # [1, T]
+        observed = (steps <= accepted[:, None]) & (steps < admitted[:, None])  # [N, T]
+        label = (steps < accepted[:, None]).to(preds.dtype)
+        w = torch.where(observed, preds * (1 - preds), torch.zeros_like(preds))
+        r = torch.where(observed, label - preds, torch.zeros_like(preds))
+        f = features
+        cols = [w * f * f, w * f, w, r * f, r, observed.to(preds.dtype)]
+        self.stats[:t] += torch.stack([c.sum(dim=0) for c in cols], dim=1).double().cpu()
+
+    def refit(self) -> None:
+        a_k, b_k, c_k, g0_k, g1_k, n_k = self.stats.unbind(dim=1)
+        c_k = c_k + L2
+        a, g0, total = a_k.sum() + L2, g0_k.sum(), n_k.sum()
+        d_slope = (g0 - (b_k * g1_k / c_k).sum()) / (a - (b_k * b_k / c_k).sum())
+        d_slope = d_slope * total / (total + DAMPING)
+        if not torch.isfinite(d_slope) or self.slope + float(d_slope) < 0:
+            d_slope = torch.zeros((), dtype=torch.float64)
+        d_icpt = (g1_k - b_k * d_slope) / c_k * (n_k / (n_k + DAMPING))
+        self.slope += float(d_slope)
+        self.intercepts += torch.nan_to_num(d_icpt, nan=0.0, posinf=0.0, neginf=0.0)
+        self.stats.zero_()
+
+
+class AcceptanceTracker:
+    """The estimator plus one round's bookkeeping: the features of every draft step, the
+    predictions made with them, and the grading of those predictions after verification."""
+
+    def __init__(self, refit_interval: int = 100):
+        self.refit_interval = refit_interval
+        self.estimator: OnlineAcceptanceEstimator | None = None
+        self.req_ids: list[str] = []
+        self.features: list[torch.Tensor] = []  # this round's f_t, each [B]
+        self._graded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # req_id -> (features [T], preds [T])
+        self._rounds = 0
+
+    def start_round(self, req_ids: list[str], cap: int) -> None:
+        self.req_ids, self.features = list(req_ids), []
+        if self.estimator is None or self.estimator.k < cap + 1:
+            self.estimator = OnlineAcceptanceEstimator(cap + 1)  # + 1: the gate looks one position ahead
+
+    def record(self, logp: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """Draft step t's distributions [B, V] (ok: [B] finite rows) -> f_t [B]."""
+        f = torch.where(ok, max_log_odds(logp), torch.full_like(ok, -MAX_LOG_ODDS, dtype=logp.dtype))
+        self.features.append(f)
+        return f
+
+    def finish_round(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, predictions), each [B, T], for the drafts of this round; kept for grading."""
+        features = torch.stack(self.features, dim=1)
+        preds = self.estimator.predict(features)
+        self._graded = {r: (features[i], preds[i]) for i, r in enumerate(self.req_ids)}
+        return features, preds
+
+    def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
+        if self.estimator is None:
+            return
+        rows = [(self._graded[r], d, a) for r, d, a in zip(req_ids, drafted, accepted) if r in self._graded]
+        if rows:
+            feats = torch.stack([f for (f, _), _, _ in rows])  # [N, T]
+            preds = torch.stack([p for (_, p), _, _ in rows])
+            adm = torch.tensor([d for _, d, _ in rows], device=feats.device)
+            acc = torch.tensor([a for _, _, a in rows], device=feats.device)
+            self.estimator.observe(feats, preds, acc, adm)
+        self._graded = {}
+        self._rounds += 1
+        if self._rounds % self.refit_interval == 0:
+            self.estimator.refit()
+
+    def forget(self, req_id: str) -> None:
+        self._graded.pop(req_id, None)
