@@ -51,6 +51,7 @@ class OnlineAcceptanceEstimator:
     stats: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [K, 6]: a, b, c, g0, g1, n
 
     def __post_init__(self):
+        self._on_device: dict = {}  # (device, dtype) -> intercepts there: no host copy per draft step
         if self.intercepts is None:
             self.intercepts = torch.full((self.k,), INIT_BIAS, dtype=torch.float64)
         if self.stats is None:
@@ -59,8 +60,10 @@ class OnlineAcceptanceEstimator:
     def predict(self, features: torch.Tensor, first: int = 0) -> torch.Tensor:
         """features: [B, T] at positions first..first+T-1 (< K) -> acceptance estimates [B, T]."""
         t = features.shape[1]
-        icpt = self.intercepts[first : first + t].to(features.device, features.dtype)
-        return torch.sigmoid(self.slope * features + icpt)
+        key = (features.device, features.dtype)
+        if key not in self._on_device:
+            self._on_device[key] = self.intercepts.to(features.device, features.dtype)
+        return torch.sigmoid(self.slope * features + self._on_device[key][first : first + t])
 
     def observe(self, features: torch.Tensor, preds: torch.Tensor, accepted: torch.Tensor, admitted: torch.Tensor):
         """One round's graded drafts. features, preds: [N, T]; accepted, admitted: [N] (accepted <= admitted)."""
@@ -85,6 +88,7 @@ class OnlineAcceptanceEstimator:
         d_icpt = (g1_k - b_k * d_slope) / c_k * (n_k / (n_k + DAMPING))
         self.slope += float(d_slope)
         self.intercepts += torch.nan_to_num(d_icpt, nan=0.0, posinf=0.0, neginf=0.0)
+        self._on_device.clear()
         self.stats.zero_()
 
 
