@@ -1,6 +1,8 @@
 """Measure the cost curves vllm_av chooses its verification budget from, on this machine.
 
     .venv/bin/python -m benchmarks.step_costs [--out benchmarks/results/step_costs]
+    .venv/bin/python -m benchmarks.step_costs --method eagle3 --target-mlp-factor 32 \
+        --out benchmarks/results/step_costs_eagle3_target-mlp32      # a regime's own curves
 
 Two engines on the bundled pair (greedy, code prompts, `ignore_eos`, 96 tokens):
 - no speculation at batch n: every engine step is one target pass over n tokens;
@@ -43,11 +45,12 @@ def _plugin_totals(llm) -> dict:
     return {**snap["workload"], **snap["timing"]}
 
 
-def measure(k: int, repeats: int) -> dict:
+def measure(k: int, repeats: int, method: str = "draft_model") -> dict:
     from benchmarks import vllm_run
 
     prompts = load_prompts("code_heldout", max(BATCHES))
-    raw: dict = {"nospec": {}, "plugin": {}, "k": k, "max_tokens": MAX_TOKENS}
+    raw: dict = {"nospec": {}, "plugin": {}, "k": k, "max_tokens": MAX_TOKENS, "method": method}
+    raw["target"] = str(vllm_run.TARGET)
     llm = vllm_run.make_llm()
     try:
         _generate(llm, prompts[:2])  # warm-up
@@ -55,7 +58,7 @@ def measure(k: int, repeats: int) -> dict:
             raw["nospec"][n] = [1e3 * _generate(llm, prompts[:n]) / MAX_TOKENS for _ in range(repeats)]
     finally:
         vllm_run.close_llm(llm)
-    llm = vllm_run.make_llm(k, {"policy": "fixed", "time_policy": True})
+    llm = vllm_run.make_llm(k, {"policy": "fixed", "time_policy": True}, method=method)
     try:
         _generate(llm, prompts[:2])
         for n in BATCHES:
@@ -90,13 +93,32 @@ def curves(raw: dict) -> dict:
     return {"draft_step_ms": sorted(draft), "verify_ms": sorted(verify)}
 
 
+def use_scaled(target_factor: int, draft_factor: int) -> None:
+    """Point the engines at cost-scaled copies (benchmarks/scaled_models.py; built once, cached), as the
+    harness's --target-mlp-factor / --draft-mlp-factor do: a regime's gate and vllm_av read its own costs."""
+    import importlib
+
+    from benchmarks import paths
+    from benchmarks.scaled_models import scaled_copy
+
+    if target_factor > 1:
+        os.environ[paths.TARGET_ENV] = str(scaled_copy(paths.TARGET, target_factor))
+    if draft_factor > 1:
+        os.environ[paths.DRAFT_ENV] = str(scaled_copy(paths.DRAFT, draft_factor))
+    importlib.reload(paths)  # benchmarks.vllm_run is imported after this, with the copies' paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_costs")
     ap.add_argument("--k", type=int, default=8, help="the fixed cap the draft side is timed at")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--method", choices=("draft_model", "eagle3"), default="draft_model", help="the bundled drafter")
+    ap.add_argument("--target-mlp-factor", type=int, default=1, help="measure on a cost-scaled copy of the target")
+    ap.add_argument("--draft-mlp-factor", type=int, default=1, help="... and of the draft model")
     args = ap.parse_args()
-    raw = measure(args.k, args.repeats)
+    use_scaled(args.target_mlp_factor, args.draft_mlp_factor)
+    raw = measure(args.k, args.repeats, args.method)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "raw.json").write_text(json.dumps(raw, indent=1) + "\n")
     costs = curves(raw)

@@ -242,6 +242,12 @@ def main() -> None:
     ap.add_argument(
         "--drafter", choices=("draft_model", "eagle3"), default="draft_model", help="the bundled drafter to run"
     )
+    ap.add_argument(
+        "--costs",
+        type=Path,
+        help="a cost-curve file (benchmarks.step_costs) every plugin configuration reads (adaptive_spec.costs): "
+        "the batch gate and vllm_av decide on the regime's own costs",
+    )
     args = ap.parse_args()
     if args.drafter != "draft_model" and args.draft_mlp_factor > 1:
         ap.error("--draft-mlp-factor scales the draft model; with --drafter eagle3 scale the target only")
@@ -255,11 +261,20 @@ def main() -> None:
     ]
     scaled = use_scaled_models(args, plan)
     drafter = use_drafter(args, plan)
+    if args.costs:
+        costs = str(args.costs.resolve())
+        plan.configs[:] = [
+            replace(c, adaptive=c.adaptive | {"costs": costs}) if c.adaptive else c for c in plan.configs
+        ]
+        plan.notes.append(f"plugin configurations read the cost curves {args.costs}")
     base = default_out(args.full)
     if args.regime or args.batched:
         base = base.with_name("regime" if args.regime else "batched")
     out = args.out or base.with_name(base.name + drafter + scaled)
-    unscaled = base.with_name(base.name + drafter)  # the same plan on the pair as shipped
+    # the same plan on the pair as shipped; no speculation does not depend on the drafter
+    unscaled = base.with_name(base.name + drafter)
+    if not (unscaled / "raw" / "no_speculation.json").exists():
+        unscaled = base
     out.mkdir(parents=True, exist_ok=True)
     configs = [c for c in plan.configs if not args.only or any(o in c.name for o in args.only)]
     # no speculation first (the others compare with it), the oracle last (it replays its outputs)
@@ -294,7 +309,7 @@ def main() -> None:
         title += f", drafter {args.drafter}"
     if scaled:
         title += f" (cost-scaled copies:{scaled.replace('_', ' ')})"
-    table = report.write(results, environment(), out, title)
+    table = report.write(results, environment() | {"notes": plan.notes}, out, title)
     print(report.headline(table))
     print(f"\nreport: {out / 'report.md'}")
     if failed:

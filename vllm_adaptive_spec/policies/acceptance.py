@@ -24,11 +24,17 @@ INIT_SLOPE, INIT_BIAS = 0.5, -0.2  # vLLM's cold start: a fit replaces it within
 L2, DAMPING = 1e-3, 50.0  # ridge on the Newton solve; a step moves n / (n + DAMPING) of the way
 
 
-def max_log_odds(logp: torch.Tensor) -> torch.Tensor:
-    """f = log(q_max / (1 - q_max)) of each row's draft distribution, clamped. logp: [B, V] -> [B]."""
-    top = logp.max(dim=-1).values.clamp(max=0.0)  # [B] log q_max
+def top_log_odds(top: torch.Tensor) -> torch.Tensor:
+    """f = log(q_max / (1 - q_max)), clamped, from top [B] = log q_max of each row (NaN for a broken
+    row, which gets the floor) -> [B]."""
+    top = top.float().clamp(max=0.0)  # [B] log q_max
     rest = torch.log(-torch.expm1(top))  # [B] log(1 - q_max); -inf when q_max == 1
     return torch.nan_to_num(top - rest, nan=-MAX_LOG_ODDS).clamp(-MAX_LOG_ODDS, MAX_LOG_ODDS)
+
+
+def max_log_odds(logp: torch.Tensor) -> torch.Tensor:
+    """f of each row's draft distribution. logp: [B, V] -> [B]."""
+    return top_log_odds(logp.amax(dim=-1))
 
 
 def survival(conf: torch.Tensor) -> torch.Tensor:
@@ -109,9 +115,10 @@ class AcceptanceTracker:
         if self.estimator is None or self.estimator.k < cap + 1:
             self.estimator = OnlineAcceptanceEstimator(cap + 1)  # + 1: the gate looks one position ahead
 
-    def record(self, logp: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-        """Draft step t's distributions [B, V] (ok: [B] finite rows) -> f_t [B]."""
-        f = torch.where(ok, max_log_odds(logp), torch.full_like(ok, -MAX_LOG_ODDS, dtype=logp.dtype))
+    def record(self, top: torch.Tensor) -> torch.Tensor:
+        """Draft step t's top [B] = log q_max of each row (the distribution's, known before its
+        token is drawn; NaN for a broken row) -> f_t [B]."""
+        f = top_log_odds(top)
         self.features.append(f)
         return f
 

@@ -29,8 +29,17 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive_spec.policies.acceptance import AcceptanceTracker
-from vllm_adaptive_spec.policies.base import finite_rows
 from vllm_adaptive_spec.policies.costs import StepCosts
+
+
+def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """log q_max of each row. logp [B, V], tokens [B] the drawn ones -> [B].
+
+    When every row is greedy its token is the argmax: a gather, not another pass over the vocabulary
+    (that pass was most of the gate's cost at batch 32)."""
+    if greedy:
+        return logp.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
+    return logp.amax(dim=-1)
 
 
 class BatchGate:
@@ -51,18 +60,18 @@ class BatchGate:
         self._verify = self.costs.verify_table(n * (cap + 1), device)
 
     def after_step(
-        self, logp: torch.Tensor, kept: torch.Tensor, drafting: torch.Tensor, lengths: torch.Tensor, t: int
+        self, top: torch.Tensor, kept: torch.Tensor, drafting: torch.Tensor, lengths: torch.Tensor, t: int
     ) -> torch.Tensor:
-        """After draft step t: logp [B, V] the step's distributions, kept [B] rows that kept y_t,
-        drafting [B] rows that would draft step t + 1, lengths [B] drafts kept so far.
+        """After draft step t: top [B] = log q_max of the step's distributions (`draft_top`), kept [B]
+        rows that kept y_t, drafting [B] rows that would draft step t + 1, lengths [B] drafts kept so far.
         Returns a 0-d bool: whether step t + 1 pays for the batch (tensor ops, no host sync)."""
         est = self.tracker.estimator
-        f = self.tracker.record(logp, finite_rows(logp)).float().unsqueeze(1)  # [B, 1]
+        f = self.tracker.record(top).unsqueeze(1)  # [B, 1]
         p_now = est.predict(f, first=t)[:, 0]  # [B] acceptance of y_t
         self._surv = torch.where(kept, self._surv * p_now, self._surv)
         self._gain = self._gain + (self._surv * kept).sum()
         if t + 1 >= est.k:
-            return torch.zeros((), dtype=torch.bool, device=logp.device)
+            return torch.zeros((), dtype=torch.bool, device=top.device)
         p_next = est.predict(f, first=t + 1)[:, 0]  # [B] estimated acceptance of y_{t+1}
         d_gain = (self._surv * p_next * drafting).sum()
         n = lengths.shape[0]

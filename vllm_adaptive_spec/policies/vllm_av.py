@@ -29,7 +29,7 @@ import math
 import torch
 
 from vllm_adaptive_spec.policies.acceptance import AcceptanceTracker, survival
-from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy
 from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS, StepCosts
 from vllm_adaptive_spec.policies.params import Param
 
@@ -70,8 +70,9 @@ class VllmAvPolicy(StopPolicy):
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
-        ok = finite_rows(logp)
-        self.tracker.record(logp, ok)
+        top = logp.amax(dim=-1)  # [B] log q_max
+        ok = torch.isfinite(top)  # rows holding NaN (finite_rows) stop
+        self.tracker.record(top)
         return StepDecision(keep=ok, stop=~ok)
 
     def admit(self, lengths: torch.Tensor) -> torch.Tensor:
