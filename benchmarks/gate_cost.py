@@ -9,8 +9,9 @@ same log-distributions, interleaved, medians of repeats:
   every batch did before `draft_top`, with a second pass for the NaN check);
 - `greedy gather`: when every row is greedy its token is the argmax, and
   log q_max is a gather of B values (`batch_gate.draft_top`).
-Plus the gate's own work: `start_round` (once per round) and `after_step`
-from the feature on (once per draft step). Writes gate_cost.json.
+Plus the gate's own work: a whole round that it ends after one step
+(start, one step, finish, grading after verification) and `after_step` from
+the feature on (once per further draft step). Writes gate_cost.json.
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ def measure(batch: int, repeats: int) -> dict:
 
     req_ids = [str(i) for i in range(batch)]
 
-    def start() -> None:
+    drafted, accepted = [1] * batch, [0] * batch
+
+    def one_step_round() -> None:  # what a round costs when the gate ends it after one step
         gate.start_round(req_ids, 4, torch.device("cpu"))
+        gate.after_step(top, ones, ones, lengths, 0)
+        gate.finish_round()
+        gate.end_round(req_ids, drafted, accepted)
 
     def step() -> None:
         gate.after_step(top, ones, ones, lengths, 0)
@@ -62,7 +68,7 @@ def measure(batch: int, repeats: int) -> dict:
         "max pass + NaN check (before)": lambda: (finite_rows(logp), max_log_odds(logp)),
         "max pass (sampled batches)": lambda: draft_top(logp, tokens, greedy=False),
         "greedy gather": lambda: draft_top(logp, tokens, greedy=True),
-        "gate start_round (per round)": start,
+        "gate round of one step (start, step, finish, grading)": one_step_round,
         "gate after_step (per step)": step,
     }
     samples: dict[str, list[float]] = {k: [] for k in fns}

@@ -152,7 +152,8 @@ def _pacer_ablations() -> list[Config]:
     """Pacer's ablations (paper tables 5, 7, 8) through vLLM: count cells on code prompts only.
     Each changes one setting of the bundled layer's recommended ones (from its file: block 2,
     threshold 0.7, growth 1.0, mean halting, window 64); the position pair swaps in two layers
-    trained alike on 500 responses, both run at block 2, threshold 0.5, growth 1.0."""
+    trained alike on 500 responses, both run at block 2, threshold 0.5, growth 1.0. The batch gate is
+    off (the ablations measure the layer's rule; at batch 32 the gate would end every round first)."""
     if not PACER_HEAD.exists():
         return []
     head = str(PACER_HEAD)
@@ -170,7 +171,7 @@ def _pacer_ablations() -> list[Config]:
             "plugin",
             "pacer ablation",
             CAP,
-            {"policy": "pacer", "head": head, **extra},
+            {"policy": "pacer", "head": head, "batch_aware": False, **extra},
             sweep=sweep,
             workloads=("code_heldout",),
         )
@@ -184,7 +185,7 @@ def _pacer_ablations() -> list[Config]:
                 "plugin",
                 "pacer ablation",
                 CAP,
-                {"policy": "pacer", "head": str(p), **settings},
+                {"policy": "pacer", "head": str(p), "batch_aware": False, **settings},
                 workloads=("code_heldout",),
             )
             for k, p in PACER_ABLATION_PAIR.items()

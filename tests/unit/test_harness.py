@@ -150,8 +150,17 @@ def test_pacer_ablations_change_one_setting_on_code_count_cells_only():
     assert {"pacer ablation halting=any", "pacer ablation growth=1.05", "pacer ablation context=full"} <= names
     for c in abl:
         assert not c.timed and [x.key for x in plan.cells_for(c)] == ["count/code_heldout/b32/t0"]
-        changed = set(c.adaptive) - {"policy", "head"}
+        assert c.adaptive["batch_aware"] is False  # the layer's rule, not the gate's
+        changed = set(c.adaptive) - {"policy", "head", "batch_aware"}
         assert len(changed) == 1 or c.name.startswith("pacer ablation position=")
+
+
+def test_threshold_sweeps_run_without_the_gate_and_defaults_with_it():
+    plan = full_plan()
+    plugin = [c for c in plan.configs if c.kind == "plugin" and c.adaptive["policy"] not in ("fixed", "vllm_av")]
+    for c in plugin:
+        gate = c.adaptive.get("batch_aware", True)
+        assert gate == (c.timed and "no batch gate" not in c.name), c.name
 
 
 def test_interleaved_groups_rotation_and_pairing():

@@ -86,3 +86,15 @@ def test_nan_and_inf_logits_stop_without_crashing(name, bad):
     d = p.decide(policy_logprobs(logits, None), torch.tensor([0, 0]), t=0, hidden=hidden)
     assert d.stop[1] and not d.keep[1]
     assert not d.stop[0] or name in ("svip", "adaedl")  # the healthy row is untouched
+
+
+def test_policy_logprobs_greedy_fast_path_equals_casting_first():
+    """Greedy batches take log_softmax(dtype=float32) in one pass: the same values as casting the
+    bf16 logits to float32 first; sampled batches divide by each row's temperature."""
+    from vllm_adaptive_spec.integration.proposer import policy_logprobs
+
+    logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 5).bfloat16()  # [B, V]
+    assert torch.equal(policy_logprobs(logits, None), torch.log_softmax(logits.float(), -1))
+    temps = torch.tensor([1.0, 0.5, 0.0, 2.0])  # 0: a greedy row in a sampled batch (raw logits)
+    want = torch.log_softmax(logits.float() / torch.tensor([1.0, 0.5, 1.0, 2.0]).unsqueeze(-1), -1)
+    assert torch.allclose(policy_logprobs(logits, temps), want)

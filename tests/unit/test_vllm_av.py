@@ -161,3 +161,23 @@ def test_cost_file_is_validated_at_start_up(tmp_path):
         AdaptiveSpecConfig.from_dict({"policy": "svip", "costs": str(tmp_path / "missing.json")})
     with pytest.raises(ConfigError, match="adaptive_spec.refit_interval"):
         AdaptiveSpecConfig.from_dict({"policy": "vllm_av", "refit_interval": 0})
+
+
+def test_tracker_grades_each_request_by_id_in_any_order():
+    """end_round gathers the round's rows by request id (one index op): requests may come back in
+    another order or not at all (finished or preempted), and each is graded on its own features."""
+    from vllm_adaptive_spec.policies.acceptance import AcceptanceTracker
+
+    def graded(order: list[str], drafted: list[int], accepted: list[int]) -> torch.Tensor:
+        tracker = AcceptanceTracker(refit_interval=1000)
+        tracker.start_round(["a", "b", "c"], cap=2)
+        for top in ([0.9, 0.5, 0.2], [0.8, 0.4, 0.1]):
+            tracker.record(torch.tensor(top).log())
+        tracker.finish_round()
+        tracker.forget("c")  # e.g. preempted before verification
+        tracker.end_round(order, drafted, accepted)
+        return tracker.estimator.stats.clone()
+
+    want = graded(["a", "b"], [2, 2], [2, 0])
+    assert torch.equal(graded(["b", "a", "c"], [2, 2, 1], [0, 2, 1]), want)
+    assert not torch.equal(graded(["a", "b"], [2, 2], [0, 2]), want)

@@ -51,11 +51,10 @@ def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
     logits: [B, V]; temperature: [B] or None (all greedy) -> [B, V] float32.
     Greedy requests use the raw logits (ALGORITHMS.md).
     """
-    logits = logits.float()
-    if temperature is not None:
-        temp = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
-        logits = logits / temp.float().unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1)
+    if temperature is None:  # one pass: the cast happens inside the softmax (same values as .float() first)
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    temp = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
+    return torch.log_softmax(logits.float() / temp.float().unsqueeze(-1), dim=-1)
 
 
 class AdaptiveDraftLoop:

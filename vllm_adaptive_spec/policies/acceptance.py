@@ -107,7 +107,10 @@ class AcceptanceTracker:
         self.estimator: OnlineAcceptanceEstimator | None = None
         self.req_ids: list[str] = []
         self.features: list[torch.Tensor] = []  # this round's f_t, each [B]
-        self._graded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # req_id -> (features [T], preds [T])
+        # the round's graded drafts: req_id -> row of _graded_features / _graded_preds ([B, T] each)
+        self._graded: dict[str, int] = {}
+        self._graded_features: torch.Tensor | None = None
+        self._graded_preds: torch.Tensor | None = None
         self._rounds = 0
 
     def start_round(self, req_ids: list[str], cap: int) -> None:
@@ -126,20 +129,21 @@ class AcceptanceTracker:
         """(features, predictions), each [B, T], for the drafts of this round; kept for grading."""
         features = torch.stack(self.features, dim=1)
         preds = self.estimator.predict(features)
-        self._graded = {r: (features[i], preds[i]) for i, r in enumerate(self.req_ids)}
+        self._graded = {r: i for i, r in enumerate(self.req_ids)}
+        self._graded_features, self._graded_preds = features, preds
         return features, preds
 
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
+        """Grade the round's predictions: per request, drafts verified and drafts accepted.
+        Whole-batch tensor ops (one gather), no per-row tensor work: this runs every round."""
         if self.estimator is None:
             return
         rows = [(self._graded[r], d, a) for r, d, a in zip(req_ids, drafted, accepted) if r in self._graded]
         if rows:
-            feats = torch.stack([f for (f, _), _, _ in rows])  # [N, T]
-            preds = torch.stack([p for (_, p), _, _ in rows])
-            adm = torch.tensor([d for _, d, _ in rows], device=feats.device)
-            acc = torch.tensor([a for _, _, a in rows], device=feats.device)
-            self.estimator.observe(feats, preds, acc, adm)
-        self._graded = {}
+            device = self._graded_features.device
+            index, adm, acc = (torch.tensor(col, device=device) for col in zip(*rows))  # each [N]
+            self.estimator.observe(self._graded_features[index], self._graded_preds[index], acc, adm)
+        self._graded, self._graded_features, self._graded_preds = {}, None, None
         self._rounds += 1
         if self._rounds % self.refit_interval == 0:
             self.estimator.refit()

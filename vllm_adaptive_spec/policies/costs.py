@@ -78,9 +78,12 @@ class StepCosts:
     def __init__(self, curves: dict[str, list[list[float]]]):
         self.curves = curves
         self._verify: dict[int, torch.Tensor] = {}
+        self._draft: dict[int, float] = {}
 
     def draft(self, n_rows: int) -> float:
-        return float(curve(self.curves["draft_step_ms"], torch.tensor([n_rows]))[0])
+        if n_rows not in self._draft:
+            self._draft[n_rows] = float(curve(self.curves["draft_step_ms"], torch.tensor([n_rows]))[0])
+        return self._draft[n_rows]
 
     def verify_table(self, max_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[max_tokens + 1]: the cost of a pass over 0..max_tokens tokens, float32 on `device`."""
