@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.gate_cost [--out benchmarks/results/gate_cost]
 
 The gate reads one feature per row, log q_max of the step's draft distribution
-over the vocabulary (151,936 tokens here). Two ways to get it, timed on the
+over the vocabulary (default 151,936 tokens, a real Qwen3's; the toy pair's is
+6,144: `--vocab 6144`). Two ways to get it, timed on the
 same log-distributions, interleaved, medians of repeats:
 - `max pass`: a pass over [B, V] (what sampled batches still do, and what
   every batch did before `draft_top`, with a second pass for the NaN check);
@@ -43,8 +44,8 @@ def _ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(batch: int, repeats: int) -> dict:
-    logp = torch.log_softmax(torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(batch)), -1)
+def measure(batch: int, repeats: int, vocab: int = VOCAB) -> dict:
+    logp = torch.log_softmax(torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)), -1)
     tokens = logp.argmax(-1)  # [B] greedy drafts
     ones = torch.ones(batch, dtype=torch.bool)
     lengths = torch.ones(batch, dtype=torch.long)
@@ -82,13 +83,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gate_cost")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
     args = ap.parse_args()
     torch.set_num_threads(1)  # vLLM's CPU engine runs its step on one core here
-    rows = {b: measure(b, args.repeats) for b in BATCHES}
+    rows = {b: measure(b, args.repeats, args.vocab) for b in BATCHES}
     for b, row in rows.items():
         print(f"batch {b:>2}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row.items()))
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"vocab": VOCAB, "threads": 1, "repeats": args.repeats, "ms_per_draft_step": rows}
+    result = {"vocab": args.vocab, "threads": 1, "repeats": args.repeats, "ms_per_draft_step": rows}
     (args.out / "gate_cost.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out / 'gate_cost.json'}")
 

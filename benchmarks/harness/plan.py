@@ -158,6 +158,7 @@ def _pacer_ablations() -> list[Config]:
         return []
     head = str(PACER_HEAD)
     variants = [
+        ("none (layer defaults)", {}, None),  # the reference the others change one setting of
         *[(f"block={b}", {"block_size": b}, b) for b in (1, 3, 4, 5, 6, 7)],
         ("halting=any", {"halting": "any"}, None),
         ("halting=last", {"halting": "last"}, None),

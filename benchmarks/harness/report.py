@@ -423,8 +423,10 @@ def _batch(key: str) -> int:
 def pacer_ablation_section(table: dict[str, Any], key: str = "count/code_heldout/b32/t0") -> list[str]:
     """Pacer's ablations (paper tables 5, 7, 8, 11) on counts alone: S(c=4) without the policy's cost."""
     here = [r for r in table["rows"] if r["cell"]["key"] == key]
-    abl = [r for r in here if r["family"] == "pacer ablation"]
-    base = next((r for r in here if r["config"] == "pacer (layer defaults)"), None)
+    ref = "pacer ablation none (layer defaults)"  # the same settings, gate off like the ablations
+    abl = [r for r in here if r["family"] == "pacer ablation" and r["config"] != ref]
+    base = next((r for r in here if r["config"] == ref), None)
+    base = base or next((r for r in here if r["config"] == "pacer (layer defaults)"), None)
     if not abl or base is None:
         return []
     lines = [
