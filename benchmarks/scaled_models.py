@@ -94,6 +94,27 @@ def scaled_copy(model: Path, mlp_factor: int, out: Path | None = None, seed: int
     return out
 
 
+def use_scaled_copies(target_factor: int, draft_factor: int) -> str:
+    """Point this process and the engines it starts at cost-scaled copies of the bundled pair (built
+    once, cached) through benchmarks.paths' environment variables; returns an out-dir suffix
+    ("_target-mlp32_draft-mlp20", "" when nothing is scaled). Modules that read benchmarks.paths
+    (benchmarks.vllm_run) must be imported after this."""
+    import importlib
+    import os
+
+    from benchmarks import paths
+
+    suffix = ""
+    if target_factor > 1:
+        os.environ[paths.TARGET_ENV] = str(scaled_copy(paths.TARGET, target_factor))
+        suffix += f"_target-mlp{target_factor}"
+    if draft_factor > 1:
+        os.environ[paths.DRAFT_ENV] = str(scaled_copy(paths.DRAFT, draft_factor))
+        suffix += f"_draft-mlp{draft_factor}"
+    importlib.reload(paths)
+    return suffix
+
+
 def restamped_head(head: Path, scaled_draft: Path) -> Path:
     """A copy of a trained head file that records `scaled_draft` as its draft: the scaled copy computes
     the original draft's function (same hidden states, same tokens), so the head's inputs are unchanged.

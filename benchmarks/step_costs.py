@@ -93,21 +93,6 @@ def curves(raw: dict) -> dict:
     return {"draft_step_ms": sorted(draft), "verify_ms": sorted(verify)}
 
 
-def use_scaled(target_factor: int, draft_factor: int) -> None:
-    """Point the engines at cost-scaled copies (benchmarks/scaled_models.py; built once, cached), as the
-    harness's --target-mlp-factor / --draft-mlp-factor do: a regime's gate and vllm_av read its own costs."""
-    import importlib
-
-    from benchmarks import paths
-    from benchmarks.scaled_models import scaled_copy
-
-    if target_factor > 1:
-        os.environ[paths.TARGET_ENV] = str(scaled_copy(paths.TARGET, target_factor))
-    if draft_factor > 1:
-        os.environ[paths.DRAFT_ENV] = str(scaled_copy(paths.DRAFT, draft_factor))
-    importlib.reload(paths)  # benchmarks.vllm_run is imported after this, with the copies' paths
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_costs")
@@ -117,7 +102,9 @@ def main() -> None:
     ap.add_argument("--target-mlp-factor", type=int, default=1, help="measure on a cost-scaled copy of the target")
     ap.add_argument("--draft-mlp-factor", type=int, default=1, help="... and of the draft model")
     args = ap.parse_args()
-    use_scaled(args.target_mlp_factor, args.draft_mlp_factor)
+    from benchmarks.scaled_models import use_scaled_copies
+
+    use_scaled_copies(args.target_mlp_factor, args.draft_mlp_factor)  # a regime's gate and vllm_av read its costs
     raw = measure(args.k, args.repeats, args.method)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "raw.json").write_text(json.dumps(raw, indent=1) + "\n")

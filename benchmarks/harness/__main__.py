@@ -165,15 +165,10 @@ def _merge_timed(out: Path, config: Config, rows: list[dict]) -> None:
 def use_scaled_models(args: argparse.Namespace, plan: Plan) -> str:
     """Point every worker at cost-scaled copies of the pair (built once, cached); returns the out-dir suffix."""
     from benchmarks import paths
-    from benchmarks.scaled_models import restamped_head, scaled_copy
+    from benchmarks.scaled_models import restamped_head, use_scaled_copies
 
-    suffix = ""
-    if args.target_mlp_factor > 1:
-        os.environ[paths.TARGET_ENV] = str(scaled_copy(paths.TARGET, args.target_mlp_factor))
-        suffix += f"_target-mlp{args.target_mlp_factor}"
+    suffix = use_scaled_copies(args.target_mlp_factor, args.draft_mlp_factor)
     if args.draft_mlp_factor > 1:
-        os.environ[paths.DRAFT_ENV] = str(scaled_copy(paths.DRAFT, args.draft_mlp_factor))
-        suffix += f"_draft-mlp{args.draft_mlp_factor}"
         # Trained heads carry the fingerprint of the draft's weights: they run as copies restamped
         # for the scaled draft, which computes the same hidden states (scaled_models.restamped_head).
         scaled_draft = Path(os.environ[paths.DRAFT_ENV])
