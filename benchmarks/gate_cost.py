@@ -12,7 +12,7 @@ same log-distributions, interleaved, medians of repeats:
   log q_max is a gather of B values (`batch_gate.draft_top`).
 Plus the gate's own work: a whole round that it ends after one step
 (start, one step, finish, grading after verification) and `after_step` from
-the feature on (once per further draft step). Writes gate_cost.json.
+the feature's host copy on (once per further draft step). Writes gate_cost.json.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _ms(fn, repeats: int) -> float:
 def measure(batch: int, repeats: int, vocab: int = VOCAB) -> dict:
     logp = torch.log_softmax(torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)), -1)
     tokens = logp.argmax(-1)  # [B] greedy drafts
-    ones = torch.ones(batch, dtype=torch.bool)
-    lengths = torch.ones(batch, dtype=torch.long)
+    ones = [True] * batch  # the gate reads the loop's host copy of each step's decisions
+    lengths = [1] * batch
     gate = BatchGate(DEFAULT_COSTS)
     top = logp.amax(-1)
 
@@ -57,13 +57,13 @@ def measure(batch: int, repeats: int, vocab: int = VOCAB) -> dict:
     drafted, accepted = [1] * batch, [0] * batch
 
     def one_step_round() -> None:  # what a round costs when the gate ends it after one step
-        gate.start_round(req_ids, 4, torch.device("cpu"))
-        gate.after_step(top, ones, ones, lengths, 0)
+        gate.start_round(req_ids, 4)
+        gate.after_step(top.tolist(), ones, ones, lengths, 0)
         gate.finish_round()
         gate.end_round(req_ids, drafted, accepted)
 
     def step() -> None:
-        gate.after_step(top, ones, ones, lengths, 0)
+        gate.after_step(top.tolist(), ones, ones, lengths, 0)
 
     fns = {
         "max pass + NaN check (before)": lambda: (finite_rows(logp), max_log_odds(logp)),

@@ -114,6 +114,10 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
             for p in ("svip", "confidence")
         ],
         _plugin("plugin fixed K=16", "plugin fixed", {"policy": "fixed"}, 16),
+        # the plugin's loop with vLLM's rule: its overhead over vLLM's own loop, side by side with vLLM K=4
+        Config("plugin fixed K=4", "plugin", "plugin fixed", 4, {"policy": "fixed"}, sweep=4, timed=True),
+        # the batch gate alone decides (cap 16): its expected-tokens-per-cost rule at the cell's costs
+        _plugin("batch gate alone", "gate", {"policy": "fixed", "batch_aware": True}, timed=True),
     ]
     if head_exists:
         head = str(SPECDECPP_HEAD)
@@ -228,7 +232,7 @@ def full_plan() -> Plan:
 
 
 def short_plan() -> Plan:
-    """A few minutes: the headline configurations on code prompts."""
+    """A few minutes: the headline configurations on code prompts, on the draft model and the EAGLE-3 head."""
     names = {
         "no speculation",
         "vLLM K=2",
@@ -242,6 +246,20 @@ def short_plan() -> Plan:
     full = full_plan()
     configs = [c for c in full.configs if c.name in names]
     configs = [Config(**(c.to_dict() | {"timed": c.kind != "oracle"})) for c in configs]
+    # the bundled EAGLE-3 head: vLLM's K=4 and the head's best policy on the wall clock (regime (c))
+    configs += [
+        Config("EAGLE-3 vLLM K=4", "vllm", "eagle3 fixed K", 4, sweep=4, timed=True, method="eagle3"),
+        Config(
+            "EAGLE-3 confidence 0.4 (default)",
+            "plugin",
+            "eagle3 confidence",
+            CAP,
+            {"policy": "confidence"},
+            sweep=0.4,
+            timed=True,
+            method="eagle3",
+        ),
+    ]
     cells = [
         Cell("code_heldout", 16, 0.0, 48, 96, 1, timed=False),
         Cell("code_heldout", 1, 0.0, 8, 96, 2, timed=True),
@@ -264,6 +282,7 @@ def batch_plan() -> Plan:
         "confidence 0.4 (default)",
         "confidence (no batch gate)",
         "specdecpp th=0.8 (head default)",
+        "batch gate alone",
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
@@ -285,6 +304,8 @@ def regime_plan() -> Plan:
         "heuristic (default)",
         "specdecpp th=0.8 (head default)",
         "pacer (layer defaults)",
+        "plugin fixed K=4",
+        "batch gate alone",
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]

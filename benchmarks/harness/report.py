@@ -65,11 +65,24 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def primary_method(results: list[dict]) -> str:
+    """The drafter the plan runs on (no speculation's `method`); other drafters' rows (the short plan's
+    EAGLE-3 head) are shown beside it but neither enter its cost ratio nor its comparisons."""
+    return next((_method(r["config"]) for r in results if r["config"]["kind"] == "nospec"), "draft_model")
+
+
+def _method(cfg: dict) -> str:
+    return cfg.get("method") or "draft_model"
+
+
 def cost_ratios(results: list[dict]) -> dict[str, dict]:
-    """Per timed greedy cell key: t_T, t_D, c (see module docstring)."""
+    """Per timed greedy cell key: t_T, t_D, c (see module docstring), from the primary drafter's rows."""
     per_key: dict[str, dict] = {}
+    primary = primary_method(results)
     for res in results:
         cfg = res["config"]
+        if _method(cfg) != primary:
+            continue
         for row in res.get("cells", []):
             cell = row["cell"]
             if not cell["timed"] or cell["temperature"] != 0.0 or not row.get("steps"):
@@ -115,6 +128,7 @@ def _charged_speedup(row: dict, c: float, f: float) -> float:
 def tabulate(results: list[dict]) -> dict[str, Any]:
     """Every (configuration, cell) with its metrics; the oracle and best fixed K per count cell."""
     ratios = cost_ratios(results)
+    primary = primary_method(results)
     base = {}  # cell key -> no-speculation row
     for res in results:
         if res["config"]["kind"] == "nospec":
@@ -126,7 +140,7 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
             row = derive(row)
             cell = row["cell"]
             ref = base.get(cell["key"])
-            c = _c_for(cell, ratios)
+            c = _c_for(cell, ratios) if _method(cfg) == primary else None  # t_D is the primary drafter's
             f = policy_share(row)
             timing = row.get("policy_timing") or {}
             tps = _median(row["tokens_per_s"])
@@ -134,6 +148,7 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
                 row
                 | {
                     "config": cfg["name"],
+                    "method": _method(cfg),
                     "family": cfg["family"],
                     "kind": cfg["kind"],
                     "sweep": cfg["sweep"],
@@ -307,7 +322,10 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
 
 def best_of_kinds(rows: list[dict]) -> list[str]:
     """One line per metric: the best fixed K (vLLM's), vllm_av and the best adaptive plugin
-    configuration among rows of one cell (the batch-aware goal compares these three)."""
+    configuration among rows of one cell (the batch-aware goal compares these three), on one drafter."""
+    if rows:
+        method = next((r["method"] for r in rows if r["family"] == "fixed K"), rows[0].get("method"))
+        rows = [r for r in rows if r.get("method", method) == method]
     kinds = {
         "fixed K": [r for r in rows if r["family"] == "fixed K"],
         "vllm_av": [r for r in rows if r["family"] == "vllm_av"],

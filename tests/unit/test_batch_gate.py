@@ -8,26 +8,22 @@ import pytest
 import torch
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
+from vllm_adaptive_spec.policies.acceptance import MAX_LOG_ODDS, AcceptanceTracker
 from vllm_adaptive_spec.policies.batch_gate import BatchGate, draft_top
 
 # a draft step costs 1 ms at any batch size; a pass over x tokens costs 2 + 0.5 x ms
 COSTS = {"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 2.5], [101, 52.5]]}
 
 
-def _logp(q_max: float, v: int = 5) -> torch.Tensor:
-    rest = (1 - q_max) / (v - 1)
-    return torch.log(torch.tensor([q_max] + [rest] * (v - 1)))
-
-
-def _top(q_max: float) -> torch.Tensor:
-    """[1] log q_max, what the loop hands the gate (draft_top)."""
-    return torch.log(torch.tensor([q_max]))
+def _top(q_max: float) -> float:
+    """log q_max of one row, what the loop hands the gate (draft_top, copied to the host)."""
+    return math.log(q_max)
 
 
 def _gate(n: int, cap: int = 4, slope: float = 1.0, intercept: float = 0.0) -> BatchGate:
     gate = BatchGate(COSTS)
-    gate.start_round([f"r{i}" for i in range(n)], cap, torch.device("cpu"))
-    est = gate.tracker.estimator
+    gate.start_round([f"r{i}" for i in range(n)], cap)
+    est = gate.estimator
     est.slope, est.intercepts = slope, torch.full((cap + 1,), intercept, dtype=torch.float64)
     return gate
 
@@ -37,50 +33,66 @@ def test_hand_computed_step_decision():
     (slope 1, intercept 0). After step 0: G = 1 + 0.9 = 1.9, C = D + V(2) = 4 -> 0.475 tokens/ms.
     Step 1 adds dG = 0.9 * 0.9 = 0.81 at dC = D + V(3) - V(2) = 1.5 -> 0.54 tokens/ms: it pays."""
     gate = _gate(1)
-    one = torch.ones(1, dtype=torch.bool)
-    pays = gate.after_step(_top(0.9), one, one, torch.tensor([1]), t=0)
-    assert bool(pays)
-    assert float(gate._gain) == pytest.approx(1.9, rel=1e-5)
+    assert gate.after_step([_top(0.9)], [True], [True], [1], t=0) is True
+    assert gate._gain == pytest.approx(1.9, rel=1e-9)
     # q_max 0.8 (p = 0.8): G/C = 1.8 / 4 = 0.45 against dG/dC = 0.64 / 1.5 = 0.427: stop
     gate = _gate(1)
-    assert not bool(gate.after_step(_top(0.8), one, one, torch.tensor([1]), t=0))
+    assert gate.after_step([_top(0.8)], [True], [True], [1], t=0) is False
 
 
 def test_rows_that_stopped_add_nothing_but_still_cost_the_step():
     """16 rows; only one still drafts: its expected token does not pay a draft step of the whole batch."""
     n = 16
     gate = _gate(n)
-    logp = _top(0.99).expand(n)
-    kept = torch.ones(n, dtype=torch.bool)
-    drafting = torch.zeros(n, dtype=torch.bool)
-    drafting[0] = True
-    assert not bool(gate.after_step(logp, kept, drafting, torch.ones(n, dtype=torch.long), t=0))
+    top = [_top(0.99)] * n
+    drafting = [True] + [False] * (n - 1)
+    assert not gate.after_step(top, [True] * n, drafting, [1] * n, t=0)
     # all 16 still drafting, all confident: G/C = 31.84 / 19 = 1.68 < dG/dC = 15.68 / 9 = 1.74, it pays
     gate = _gate(n)
-    assert bool(gate.after_step(logp, kept, kept, torch.ones(n, dtype=torch.long), t=0))
+    assert gate.after_step(top, [True] * n, [True] * n, [1] * n, t=0)
 
 
 def test_gate_stops_at_the_cap_and_on_nan_rows():
     gate = _gate(1, cap=1)
-    one = torch.ones(1, dtype=torch.bool)
-    gate.after_step(_top(0.99), one, one, torch.tensor([1]), t=0)
-    assert not bool(gate.after_step(_top(0.99), one, one, torch.tensor([2]), t=1))  # past cap + 1
+    gate.after_step([_top(0.99)], [True], [True], [1], t=0)
+    assert not gate.after_step([_top(0.99)], [True], [True], [2], t=1)  # past cap + 1
     gate = _gate(2)
-    logp = torch.stack([_logp(0.9), torch.full((5,), math.nan)])
-    logp = draft_top(logp, logp.nan_to_num(-1e9).argmax(-1), greedy=False)
-    pays = gate.after_step(logp, torch.tensor([True, False]), torch.tensor([True, False]), torch.tensor([1, 0]), t=0)
-    assert pays.dtype == torch.bool and not torch.isnan(gate._gain)
+    pays = gate.after_step([_top(0.9), math.nan], [True, False], [True, False], [1, 0], t=0)
+    assert isinstance(pays, bool) and not math.isnan(gate._gain)
+    assert gate._features[1] == [-MAX_LOG_ODDS]  # a broken row gets the floor
 
 
 def test_gate_learns_from_verification_like_vllm_av():
     gate = _gate(2)
-    both = torch.ones(2, dtype=torch.bool)
     for t in range(3):
-        gate.after_step(_top(0.9).expand(2), both, both, torch.full((2,), t + 1), t)
+        gate.after_step([_top(0.9)] * 2, [True, True], [True, True], [t + 1] * 2, t)
     gate.finish_round()
     gate.end_round(["r0", "r1"], [3, 3], [3, 0])
-    assert gate.tracker.estimator.stats[:, 5].tolist()[:3] == [2, 1, 1]
+    assert gate.estimator.stats[:, 5].tolist()[:3] == [2, 1, 1]
     gate.forget("r0")
+
+
+def test_host_features_and_grading_match_the_tensor_estimator():
+    """The gate's host arithmetic (log_odds, acceptance, observe_rows) equals the tensor path of
+    vllm_av's tracker (top_log_odds, predict, observe) on the same round."""
+    top = torch.tensor([[-0.01, -0.3, -2.0], [0.0, -1e-9, math.nan], [-0.7, -0.05, -0.2]])  # [B, T]
+    drafted, accepted = [3, 2, 1], [1, 2, 0]
+    tensor = AcceptanceTracker(refit_interval=1000)
+    tensor.start_round(["a", "b", "c"], cap=4)
+    tensor.estimator.slope, tensor.estimator.intercepts = 0.7, torch.tensor([0.3, -0.1, -0.4, 0.2, 0.0]).double()
+    for t in range(3):
+        tensor.record(top[:, t])
+    feats, preds = tensor.finish_round()
+    tensor.end_round(["a", "b", "c"], drafted, accepted)
+    gate = _gate(3, cap=4, slope=0.7)
+    gate.estimator.intercepts = torch.tensor([0.3, -0.1, -0.4, 0.2, 0.0]).double()
+    for t in range(3):
+        gate.after_step(top[:, t].tolist(), [True] * 3, [True] * 3, [t + 1] * 3, t)
+    assert torch.allclose(torch.tensor(gate._features, dtype=torch.float64), feats.double(), atol=1e-5)
+    assert torch.allclose(torch.tensor(gate._preds, dtype=torch.float64), preds.double(), atol=1e-6)
+    gate.finish_round()
+    gate.end_round(["r2", "r0", "r1"], [drafted[2], drafted[0], drafted[1]], [accepted[2], accepted[0], accepted[1]])
+    assert torch.allclose(gate.estimator.stats, tensor.estimator.stats, rtol=1e-4, atol=1e-4)  # float32 there
 
 
 def test_draft_top_gathers_the_greedy_token_and_takes_the_max_when_sampling():

@@ -88,6 +88,25 @@ def test_pareto_front():
     assert plots.pareto(pts) == [(0.4, 1.0), (0.5, 0.4), (0.6, 0.1)]
 
 
+def test_another_drafters_rows_stay_out_of_the_cost_ratio_and_comparisons():
+    """The short plan runs the EAGLE-3 head beside the draft model: its fixed-K step times must not enter
+    the draft model's t_D, it gets no S at the draft model's c, and best_of_kinds compares one drafter."""
+    results = _results()
+    timed = _cell("timed", 1)
+    eagle = _cfg("EAGLE-3 vLLM K=4", "vllm", "eagle3 fixed K", 4) | {"method": "eagle3"}
+    results.append({"config": eagle, "cells": [_row(timed, 0.5, 8, n_draft=32, n_acc=10)]})
+    eagle_policy = _cfg("EAGLE-3 confidence", "plugin", "eagle3 confidence", 16) | {"method": "eagle3"}
+    results.append({"config": eagle_policy, "cells": [_row(timed, 0.001, 4, n_draft=20, n_acc=11)]})
+    assert report.cost_ratios(results)["timed/code_heldout/b1/t0"]["c"] == pytest.approx(4.0)
+    rows = [r for r in report.tabulate(results)["rows"] if r["cell"]["key"] == timed["key"]]
+    assert {r["config"]: r["S_measured_c"] is None for r in rows if r["method"] == "eagle3"} == {
+        "EAGLE-3 vLLM K=4": True,
+        "EAGLE-3 confidence": True,
+    }
+    assert not any("EAGLE-3" in line for line in report.best_of_kinds(rows))
+    assert {c.method for c in short_plan().configs} == {"draft_model", "eagle3"}
+
+
 def test_plans_cover_the_issue():
     full = full_plan()
     kinds = {c.kind for c in full.configs}

@@ -57,6 +57,17 @@ def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
     return torch.log_softmax(logits.float() / temp.float().unsqueeze(-1), dim=-1)
 
 
+def _decisions_to_host(
+    keep: torch.Tensor, stop: torch.Tensor, top: torch.Tensor | None
+) -> tuple[list[bool], list[bool], list[float] | None]:
+    """One host copy of a step's decisions: keep, stop [B] bool and the gate's top [B] (or None)."""
+    if top is None:
+        keeps, stops = torch.stack([keep, stop]).tolist()
+        return keeps, stops, None
+    keeps, stops, tops = torch.stack([keep.to(top.dtype), stop.to(top.dtype), top]).tolist()
+    return [k > 0.5 for k in keeps], [s > 0.5 for s in stops], tops
+
+
 class AdaptiveDraftLoop:
     """The shared loop; mixed in front of a vLLM `SpecDecodeBaseProposer` subclass."""
 
@@ -239,21 +250,21 @@ class AdaptiveDraftLoop:
         hidden = hidden[sample_idx]  # [B, hidden]
         carried = carried[sample_idx]  # [B, hidden]
         positions = self.positions[sample_idx]  # [B]
-        limit = torch.tensor(limits, device=hidden.device)  # [B]
-        active = limit > 0  # [B] rows still drafting
-        lengths = torch.zeros(batch, dtype=torch.long, device=hidden.device)  # [B] tokens kept
-        drawn = torch.zeros_like(lengths)  # [B] tokens drawn while the row was drafting (kept or dropped)
+        # Per-row bookkeeping lives on the host: one copy of the policy's decisions per step (the
+        # sync that ending the loop early needs anyway) instead of a dozen tiny tensor ops.
+        active = [n > 0 for n in limits]  # rows still drafting
+        lengths = [0] * batch  # tokens kept
+        drawn = [0] * batch  # tokens drawn while the row was drafting (kept or dropped)
         temperature = None if sampling_metadata.all_greedy else sampling_metadata.temperature
         if self.gate is not None:
             with self._timed():
-                self.gate.start_round(req_ids, cap, hidden.device)
+                self.gate.start_round(req_ids, cap)
         tokens_per_step: list[torch.Tensor] = []  # each [B]
         probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
 
         for t in range(cap):
             if t > 0:
-                # One host sync per draft step: the price of ending the loop early.
-                if not bool(active.any()):
+                if not any(active):
                     break
                 if t == 1:
                     mode, num_input, across_dp = self._enter_decode(cad, batch, num_rejected_tokens_gpu)
@@ -277,17 +288,26 @@ class AdaptiveDraftLoop:
             tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
             logp = policy_logprobs(logits, temperature)  # [B, V]
             decision = self.policy.decide(logp, tokens, t, hidden)
-            keep = active & decision.keep
-            drawn += active
-            lengths += keep
-            active = keep & ~decision.stop & (limit > t + 1)
-            if self.gate is not None:  # ends the round for every row once another step does not pay
+            top = None
+            if self.gate is not None:
                 with self._timed():
                     top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
-                    active = active & self.gate.after_step(top, keep, active, lengths, t)
+            keeps, stops, tops = _decisions_to_host(decision.keep, decision.stop, top)
+            kept = [False] * batch  # rows that drafted y_t and kept it
+            for i in range(batch):
+                if active[i]:
+                    drawn[i] += 1
+                    kept[i] = keeps[i]
+                    lengths[i] += keeps[i]
+                    active[i] = keeps[i] and not stops[i] and limits[i] > t + 1
+            if self.gate is not None:  # ends the round for every row once another step does not pay
+                with self._timed():
+                    if not self.gate.after_step(tops, kept, active, lengths, t):
+                        active = [False] * batch
             if self._tp_group is not None:
-                both = self._tp_group.broadcast(torch.stack([active.long(), lengths]), src=0)  # [2, B]
-                active, lengths = both[0].bool(), both[1].clone()
+                both = torch.tensor([active, lengths], dtype=torch.long, device=hidden.device)  # [2, B]
+                active, lengths = self._tp_group.broadcast(both, src=0).tolist()
+                active = [bool(a) for a in active]
             tokens_per_step.append(tokens)
             if draft_probs is not None:
                 probs_per_step.append(draft_probs)
@@ -296,16 +316,15 @@ class AdaptiveDraftLoop:
             with self._timed():
                 self.gate.finish_round()
         if self.policy.trims:  # e.g. vllm_av: the whole round drafted, now choose what is verified
-            lengths = self.policy.admit(lengths)
+            admitted = self.policy.admit(torch.tensor(lengths, device=hidden.device))
             if self._tp_group is not None:
-                lengths = self._tp_group.broadcast(lengths.clone(), src=0)
+                admitted = self._tp_group.broadcast(admitted.clone(), src=0)
+            lengths = admitted.tolist()
         if probs_per_step:
             self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
-        # [B, 2 + T]: length, tokens drawn, then drafts; one host copy per round
-        rows = torch.cat([torch.stack([lengths, drawn], dim=1), torch.stack(tokens_per_step, dim=1).long()], dim=1)
-        rows = rows.tolist()
-        self.stats.record_proposal([row[0] for row in rows], forwards, req_ids, [row[1] for row in rows])
-        return [row[2 : 2 + row[0]] for row in rows]
+        drafts = torch.stack(tokens_per_step, dim=1).tolist()  # [B, T]; one host copy per round
+        self.stats.record_proposal(lengths, forwards, req_ids, drawn)
+        return [row[:n] for row, n in zip(drafts, lengths)]
 
     def _observe_context(self, req_ids: list[str], hidden: torch.Tensor, cad: Any, rejected: torch.Tensor | None):
         """Give the policy the first pass's rows of each request's verified tokens (one host copy per round).

@@ -15,6 +15,7 @@ gate (whether another draft step pays for the batch).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,24 @@ def top_log_odds(top: torch.Tensor) -> torch.Tensor:
     top = top.float().clamp(max=0.0)  # [B] log q_max
     rest = torch.log(-torch.expm1(top))  # [B] log(1 - q_max); -inf when q_max == 1
     return torch.nan_to_num(top - rest, nan=-MAX_LOG_ODDS).clamp(-MAX_LOG_ODDS, MAX_LOG_ODDS)
+
+
+def log_odds(top: float) -> float:
+    """`top_log_odds` of one row on the host: top = log q_max (NaN for a broken row) -> f."""
+    if math.isnan(top):
+        return -MAX_LOG_ODDS
+    top = min(top, 0.0)
+    if top == 0.0:
+        return MAX_LOG_ODDS
+    f = top - math.log(-math.expm1(top))
+    return max(-MAX_LOG_ODDS, min(MAX_LOG_ODDS, f))
+
+
+def sigmoid(z: float) -> float:
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
 
 
 def max_log_odds(logp: torch.Tensor) -> torch.Tensor:
@@ -71,6 +90,12 @@ class OnlineAcceptanceEstimator:
             self._on_device[key] = self.intercepts.to(features.device, features.dtype)
         return torch.sigmoid(self.slope * features + self._on_device[key][first : first + t])
 
+    def acceptance(self, f: float, k: int) -> float:
+        """`predict` of one feature at position k, on the host (no tensor op)."""
+        if "host" not in self._on_device:
+            self._on_device["host"] = self.intercepts.tolist()
+        return sigmoid(self.slope * f + self._on_device["host"][k])
+
     def observe(self, features: torch.Tensor, preds: torch.Tensor, accepted: torch.Tensor, admitted: torch.Tensor):
         """One round's graded drafts. features, preds: [N, T]; accepted, admitted: [N] (accepted <= admitted)."""
         t = features.shape[1]
@@ -82,6 +107,23 @@ class OnlineAcceptanceEstimator:
         f = features
         cols = [w * f * f, w * f, w, r * f, r, observed.to(preds.dtype)]
         self.stats[:t] += torch.stack([c.sum(dim=0) for c in cols], dim=1).double().cpu()
+
+    def observe_rows(self, rows: list[tuple[list[float], list[float], int, int]]) -> None:
+        """`observe` on the host, for one round's rows: (features, preds, accepted, admitted) each,
+        features and preds per drafted position. Same labels and sums as `observe`."""
+        sums = [[0.0] * 6 for _ in range(self.k)]
+        for features, preds, accepted, admitted in rows:
+            for t in range(min(len(features), accepted + 1, admitted)):
+                f, p = features[t], preds[t]
+                w, r = p * (1.0 - p), (1.0 if t < accepted else 0.0) - p
+                acc = sums[t]
+                acc[0] += w * f * f
+                acc[1] += w * f
+                acc[2] += w
+                acc[3] += r * f
+                acc[4] += r
+                acc[5] += 1.0
+        self.stats += torch.tensor(sums, dtype=torch.float64)
 
     def refit(self) -> None:
         a_k, b_k, c_k, g0_k, g1_k, n_k = self.stats.unbind(dim=1)

@@ -22,13 +22,18 @@ intercept of the next position. D(n) and V(x) are the measured cost curves
 every draft it leaves in place was kept by the row's own policy, and the
 decision to stop after a kept draft may depend on it (a stopping time,
 ALGORITHMS.md), so sampling stays lossless.
+
+The gate works on the host, in Python floats, on the one copy of the step's
+decisions that the loop makes anyway: at the batch sizes the loop runs (1 to
+a few hundred rows) a dozen tiny tensor ops per step cost more than the
+arithmetic (benchmarks/gate_cost.py measures both).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.policies.acceptance import AcceptanceTracker
+from vllm_adaptive_spec.policies.acceptance import OnlineAcceptanceEstimator, log_odds
 from vllm_adaptive_spec.policies.costs import StepCosts
 
 
@@ -44,49 +49,70 @@ def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.T
 
 class BatchGate:
     def __init__(self, costs: dict, refit_interval: int = 100):
-        self.tracker = AcceptanceTracker(refit_interval)
+        self.refit_interval = refit_interval
+        self.estimator: OnlineAcceptanceEstimator | None = None
         self.costs = StepCosts(costs)
-        self._surv: torch.Tensor | None = None  # [B] survival of each row's kept drafts
-        self._gain: torch.Tensor | None = None  # 0-d expected tokens of the round so far
+        self._rounds = 0
+        self._req_ids: list[str] = []
+        self._features: list[list[float]] = []  # per row: f of each draft step of this round
+        self._preds: list[list[float]] = []  # per row: the acceptance estimate made with it
+        self._graded: dict[str, tuple[list[float], list[float]]] = {}  # last round's, until verified
+        self._surv: list[float] = []  # per row: survival of its kept drafts
+        self._gain = 0.0  # expected tokens of the round so far
         self._draft_ms = 0.0
-        self._verify: torch.Tensor | None = None  # [n (cap + 1) + 1] pass cost per token count
+        self._verify: list[float] = []  # pass cost per token count, 0..n (cap + 1)
 
-    def start_round(self, req_ids: list[str], cap: int, device: torch.device) -> None:
+    def start_round(self, req_ids: list[str], cap: int) -> None:
         n = len(req_ids)
-        self.tracker.start_round(req_ids, cap)
-        self._surv = torch.ones(n, dtype=torch.float32, device=device)
-        self._gain = torch.tensor(float(n), device=device)
+        if self.estimator is None or self.estimator.k < cap + 1:  # + 1: it looks one position ahead
+            self.estimator = OnlineAcceptanceEstimator(cap + 1)
+        self._req_ids = list(req_ids)
+        self._features, self._preds = [[] for _ in range(n)], [[] for _ in range(n)]
+        self._surv, self._gain = [1.0] * n, float(n)
         self._draft_ms = self.costs.draft(n)
-        self._verify = self.costs.verify_table(n * (cap + 1), device)
+        self._verify = self.costs.verify_list(n * (cap + 1))
 
-    def after_step(
-        self, top: torch.Tensor, kept: torch.Tensor, drafting: torch.Tensor, lengths: torch.Tensor, t: int
-    ) -> torch.Tensor:
-        """After draft step t: top [B] = log q_max of the step's distributions (`draft_top`), kept [B]
-        rows that kept y_t, drafting [B] rows that would draft step t + 1, lengths [B] drafts kept so far.
-        Returns a 0-d bool: whether step t + 1 pays for the batch (tensor ops, no host sync)."""
-        est = self.tracker.estimator
-        f = self.tracker.record(top).unsqueeze(1)  # [B, 1]
-        p_now = est.predict(f, first=t)[:, 0]  # [B] acceptance of y_t
-        self._surv = torch.where(kept, self._surv * p_now, self._surv)
-        self._gain = self._gain + (self._surv * kept).sum()
-        if t + 1 >= est.k:
-            return torch.zeros((), dtype=torch.bool, device=top.device)
-        p_next = est.predict(f, first=t + 1)[:, 0]  # [B] estimated acceptance of y_{t+1}
-        d_gain = (self._surv * p_next * drafting).sum()
-        n = lengths.shape[0]
-        tokens = (n + lengths.sum()).clamp(max=self._verify.shape[0] - 1)
-        more = (tokens + drafting.sum()).clamp(max=self._verify.shape[0] - 1)
+    def after_step(self, top: list[float], kept: list[bool], drafting: list[bool], lengths: list[int], t: int) -> bool:
+        """After draft step t, per row: top = log q_max of the step's distribution (`draft_top`), kept =
+        it kept y_t, drafting = it would draft step t + 1, lengths = drafts kept so far.
+        Returns whether step t + 1 pays for the batch."""
+        est, surv = self.estimator, self._surv
+        last = t + 1 >= est.k
+        d_gain = 0.0
+        for i, q in enumerate(top):
+            f = log_odds(q)
+            p = est.acceptance(f, t)  # of y_t
+            self._features[i].append(f)
+            self._preds[i].append(p)
+            if kept[i]:
+                surv[i] *= p
+                self._gain += surv[i]
+            if drafting[i] and not last:
+                d_gain += surv[i] * est.acceptance(f, t + 1)  # estimated acceptance of y_{t+1}
+        if last:
+            return False
+        top_index = len(self._verify) - 1
+        tokens = min(len(lengths) + sum(lengths), top_index)
+        more = min(tokens + sum(drafting), top_index)
         cost = (t + 1) * self._draft_ms + self._verify[tokens]
         d_cost = self._draft_ms + self._verify[more] - self._verify[tokens]
         return d_gain * cost > self._gain * d_cost
 
     def finish_round(self) -> None:
-        if self.tracker.features:
-            self.tracker.finish_round()
+        """The round's drafts wait for verification, to grade the estimates made for them."""
+        self._graded = dict(zip(self._req_ids, zip(self._features, self._preds)))
 
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
-        self.tracker.end_round(req_ids, drafted, accepted)
+        """Per request: drafts verified and drafts accepted (labels as in `OnlineAcceptanceEstimator`)."""
+        if self.estimator is None:
+            return
+        rows = [(*self._graded[r], a, d) for r, d, a in zip(req_ids, drafted, accepted) if r in self._graded]
+        if rows:
+            self.estimator.observe_rows(rows)
+        self._graded = {}
+        self._rounds += 1
+        if self._rounds % self.refit_interval == 0:
+            self.estimator.refit()
 
     def forget(self, req_id: str) -> None:
-        self.tracker.forget(req_id)
+        self._graded.pop(req_id, None)

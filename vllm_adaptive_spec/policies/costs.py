@@ -79,6 +79,7 @@ class StepCosts:
         self.curves = curves
         self._verify: dict[int, torch.Tensor] = {}
         self._draft: dict[int, float] = {}
+        self._verify_list: dict[int, list[float]] = {}
 
     def draft(self, n_rows: int) -> float:
         if n_rows not in self._draft:
@@ -91,3 +92,9 @@ class StepCosts:
         if key not in self._verify or self._verify[key].device != torch.device(device):
             self._verify[key] = curve(self.curves["verify_ms"], torch.arange(max_tokens + 1)).float().to(device)
         return self._verify[key]
+
+    def verify_list(self, max_tokens: int) -> list[float]:
+        """`verify_table` as a host list, for the gate's arithmetic."""
+        if max_tokens not in self._verify_list:
+            self._verify_list[max_tokens] = self.verify_table(max_tokens).tolist()
+        return self._verify_list[max_tokens]
