@@ -13,8 +13,9 @@ TARGET_ENV, DRAFT_ENV = "VLLM_ADAPTIVE_SPEC_BENCH_TARGET", "VLLM_ADAPTIVE_SPEC_B
 TARGET = Path(os.environ.get(TARGET_ENV) or MODELS / "toy-target")
 DRAFT = Path(os.environ.get(DRAFT_ENV) or MODELS / "toy-draft")
 EAGLE3_HEAD = REPO / "heads" / "toy" / "eagle3"  # the EAGLE-3 head trained for the toy target
+DFLASH_HEAD = REPO / "heads" / "toy" / "dflash"  # the DFlash drafter (D-PACE) trained for the toy target
 # speculative_config.method -> the bundled drafter it runs
-DRAFTERS = {"draft_model": DRAFT, "eagle3": EAGLE3_HEAD}
+DRAFTERS = {"draft_model": DRAFT, "eagle3": EAGLE3_HEAD, "dflash": DFLASH_HEAD}
 PROMPTS = REPO / "benchmarks" / "prompts"
 
 

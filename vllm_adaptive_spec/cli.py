@@ -1,4 +1,4 @@
-"""Command line: `vllm-adaptive-spec train specdecpp|pacer|eagle3 ...` (also `python -m vllm_adaptive_spec.cli`).
+"""Command line: `vllm-adaptive-spec train specdecpp|pacer|eagle3|dflash ...` (also `python -m vllm_adaptive_spec.cli`).
 
     vllm-adaptive-spec train specdecpp --target benchmarks/models/toy-target \\
         --draft benchmarks/models/toy-draft --prompts benchmarks/prompts/code_train.jsonl \\
@@ -8,11 +8,14 @@ Runs SpecDec++ head training end to end: target responses through vLLM,
 teacher-forced labels, head training, evaluation, threshold choice; writes the
 head and a JSON report next to it (`<out stem>.report.json`). `train pacer`
 does the same for the Pacer pre-verifier (draft chains, packed BCE training,
-block size / threshold / growth chosen by replay). `train eagle3` trains an
+block size / threshold / growth chosen by replay); with `--drafter eagle3`
+both train on an EAGLE-3 head's own greedy chains. `train eagle3` trains an
 EAGLE-3 draft head for the target with the training-time test and writes the
 directory vLLM loads with `speculative_config={"method": "eagle3", "model":
 <out>}`; the report goes beside it (`<out>.report.json`), outside the
-directory vLLM reads.
+directory vLLM reads. `train dflash` does the same for a DFlash parallel
+block drafter (`--loss ce|decay|dpace`; `speculative_config={"method":
+"dflash", "model": <out>, "num_speculative_tokens": K}`).
 """
 
 from __future__ import annotations
@@ -79,7 +82,10 @@ def _run_training(args: argparse.Namespace, module: str, train_name: str) -> tup
 
 
 def _train_pacer(args: argparse.Namespace) -> None:
-    report, report_path = _run_training(args, "pacer", "train_pacer")
+    if args.drafter == "eagle3":  # the head's own chains (training/pacer_eagle3.py)
+        report, report_path = _run_training(args, "pacer_eagle3", "train_pacer_eagle3")
+    else:
+        report, report_path = _run_training(args, "pacer", "train_pacer")
     m, meta = report["metrics"], report["meta"]
     print(
         f"pre-verifier: {args.out} ({report['parameters']:,} parameters); BCE train {m['train']['bce']:.4f}, "
@@ -111,6 +117,41 @@ def _train_eagle3(args: argparse.Namespace) -> None:
     )
 
 
+def _train_dflash(args: argparse.Namespace) -> None:
+    report, report_path = _run_training(args, "dflash", "train_dflash")
+    held = report["metrics"]["heldout"]
+    print(
+        f"DFlash drafter ({report['config']['loss']}): {args.out} ({report['parameters']:,} parameters); held-out "
+        f"agreement per position {held['agreement_per_position']}; replayed acceptance length "
+        f"{held['replay_acceptance_length']} at K={held['block_size']}; {report['seconds']['total']} s"
+        f"\nreport: {report_path}"
+    )
+
+
+def _tune(args: argparse.Namespace) -> None:
+    """Thresholds of svip and confidence for an EAGLE-3 head at one cost ratio (training/tune.py)."""
+    import torch
+
+    from vllm_adaptive_spec.training.tune import TuneConfig, tune_eagle3
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TuneConfig(
+        **{f.name: getattr(args, f.name) for f in fields(TuneConfig) if getattr(args, f.name, None) is not None}
+    )
+    extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
+    report = tune_eagle3(args.target, args.draft, _responses(args), cfg, extra)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    r = report["replay"]
+    fixed = r["best_fixed"]
+    print(f"best fixed K: K={fixed['fixed_k']} (S {fixed['speedup']}); oracle S {r['oracle']['speedup']}")
+    for policy, v in r["policies"].items():
+        best = v["best"]
+        setting = {"adaptive_spec": {"policy": policy, "threshold": best["threshold"]}}
+        print(f"{policy}: S {best['speedup']}, tau {best['tau']}; additional_config={json.dumps(setting)}")
+    print(f"report: {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vllm-adaptive-spec", description="vllm-adaptive-spec tools")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -118,12 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = train.add_parser("specdecpp", help="SpecDec++ acceptance head")
     _common_options(sp)
     sp.add_argument("--mode", choices=("greedy", "sampling"), help="label mode (default greedy)")
-    sp.add_argument(
-        "--drafter",
-        choices=("draft_model", "eagle3"),
-        default="draft_model",
-        help="what --draft is: a draft model, or an EAGLE-3 head directory (greedy chains of the head)",
-    )
+    _drafter_option(sp)
     for name in ("depth", "epochs", "batch_size", "cap", "replay_responses"):
         sp.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     for name in ("weight", "mix", "lr", "weight_decay", "val_frac", "cost_ratio"):
@@ -131,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(run=_train_specdecpp)
     pc = train.add_parser("pacer", help="Pacer blockwise pre-verifier")
     _common_options(pc)
+    _drafter_option(pc)
     pc.add_argument("--halting", choices=("mean", "any", "last"), help="halting rule for the replay (default mean)")
     pc.add_argument("--no-position", dest="use_position", action="store_const", const=False, help="ablation: no e_i")
     for name in (
@@ -159,7 +196,43 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("step_decay", "lr", "weight_decay", "warmup_frac", "val_frac"):
         e3.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     e3.set_defaults(run=_train_eagle3)
+    df = train.add_parser("dflash", help="DFlash parallel block drafter (a vLLM dflash model directory)")
+    _common_options(df, draft=False)
+    df.add_argument("--loss", choices=("ce", "decay", "dpace"), help="position weighting (default dpace)")
+    df.add_argument("--dpace-lambda", "--lambda", dest="dpace_lambda", type=float, help="D-PACE smoothing (0.5)")
+    df.add_argument(
+        "--dpace-estimate",
+        choices=("confidence", "agreement"),
+        help="D-PACE q_k: the per-block confidence (default, the paper's) or a running per-position agreement",
+    )
+    df.add_argument(
+        "--target-layer-ids", type=lambda v: tuple(int(x) for x in v.split(",")), help="DFlash ids, e.g. 0,1,2"
+    )
+    for name in ("block_size", "num_layers", "intermediate_size", "epochs", "anchors", "batch_size", "eval_responses"):
+        df.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    for name in ("gamma", "estimate_momentum", "lr", "weight_decay", "warmup_frac", "val_frac"):
+        df.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
+    df.set_defaults(run=_train_dflash)
+    tu = sub.add_parser("tune", help="svip and confidence thresholds for an EAGLE-3 head, by replay on training data")
+    _common_options(tu)
+    tu.add_argument(
+        "--drafter", choices=("eagle3",), default="eagle3", help="what --draft is (only EAGLE-3 head directories)"
+    )
+    tu.add_argument("--cost-ratio", dest="cost_ratio", type=float, help="c = t_T / t_D to choose for (default 4)")
+    for name in ("cap", "replay_responses"):
+        tu.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    tu.add_argument("--val-frac", dest="val_frac", type=float, help="held-out share of the training prompts (0.1)")
+    tu.set_defaults(run=_tune)
     return ap
+
+
+def _drafter_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--drafter",
+        choices=("draft_model", "eagle3"),
+        default="draft_model",
+        help="what --draft is: a draft model, or an EAGLE-3 head directory (greedy chains of the head)",
+    )
 
 
 def _common_options(sp: argparse.ArgumentParser, draft: bool = True) -> None:

@@ -26,6 +26,9 @@ DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
 SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
 PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
 EAGLE3_SPECDECPP_HEAD = REPO / "heads" / "toy" / "eagle3-specdecpp.safetensors"  # trained on the EAGLE-3 head
+EAGLE3_PACER_HEAD = REPO / "heads" / "toy" / "eagle3-pacer.safetensors"  # trained on the EAGLE-3 head
+# svip and confidence thresholds for the EAGLE-3 head, chosen on training responses (`vllm-adaptive-spec tune`)
+EAGLE3_TUNED = REPO / "heads" / "toy" / "eagle3.tune.json"
 # The position-embedding ablation: two layers trained alike (500 responses), with and without e_i.
 PACER_ABLATION_PAIR = {
     "on": REPO / "heads" / "toy" / "ablations" / "pacer_pos500.safetensors",
@@ -139,17 +142,36 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
 
 
 def eagle3_head_configs() -> list[Config]:
-    """Stopping heads trained on the bundled EAGLE-3 head (the draft model's do not load on it)."""
-    if not EAGLE3_SPECDECPP_HEAD.exists():
-        return []
-    head = str(EAGLE3_SPECDECPP_HEAD)
-    return [
-        _plugin("specdecpp (eagle3 head default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True),
-        *[
-            _plugin(f"specdecpp eagle3 th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t)
-            for t in (0.5, 0.9)
-        ],
-    ]
+    """Stopping heads trained on the bundled EAGLE-3 head (the draft model's do not load on it), and
+    svip / confidence at the thresholds `tune` chose for it on training responses (gate off, as sweeps)."""
+    configs = []
+    if EAGLE3_SPECDECPP_HEAD.exists():
+        head = str(EAGLE3_SPECDECPP_HEAD)
+        configs += [
+            _plugin("specdecpp (eagle3 head default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True),
+            *[
+                _plugin(
+                    f"specdecpp eagle3 th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t
+                )
+                for t in (0.5, 0.9)
+            ],
+        ]
+    if EAGLE3_PACER_HEAD.exists():
+        head = str(EAGLE3_PACER_HEAD)
+        configs += [
+            _plugin("pacer (eagle3 layer defaults)", "pacer", {"policy": "pacer", "head": head}, timed=True),
+            _plugin("pacer eagle3 (no batch gate)", "pacer", {"policy": "pacer", "head": head, "batch_aware": False}),
+        ]
+    if EAGLE3_TUNED.exists():
+        import json
+
+        tuned = json.loads(EAGLE3_TUNED.read_text())
+        c = tuned["config"]["cost_ratio"]
+        for policy, setting in tuned["recommended"].items():
+            t = setting["threshold"]
+            name = f"{policy} {t} (tuned on train, c={c:g})"
+            configs.append(_plugin(name, policy, {"policy": policy, "threshold": t}, t))
+    return configs
 
 
 def _pacer_ablations() -> list[Config]:

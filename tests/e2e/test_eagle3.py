@@ -6,7 +6,9 @@ last state at every later step). Every training-free policy runs on it in
 test_adaptive_policies.py; here: with the fixed policy the loop must draft what
 vLLM's own EAGLE loop drafts (same passes, same drafts kept), which checks that
 the state carried from step to step is the one vLLM carries; the SpecDec++
-head trained on the EAGLE-3 head's own chains; and what is refused at start-up.
+head and the Pacer layer trained on the EAGLE-3 head's own chains (for Pacer
+also: the context the policy keeps is the first-pass rows it was trained on);
+and what is refused at start-up.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import time
 import pytest
 
 from benchmarks import vllm_run
-from benchmarks.harness.plan import EAGLE3_SPECDECPP_HEAD, SPECDECPP_HEAD
-from benchmarks.paths import load_prompts
+from benchmarks.harness.plan import EAGLE3_SPECDECPP_HEAD, PACER_HEAD, SPECDECPP_HEAD
+from benchmarks.paths import EAGLE3_HEAD, REPO, TARGET, load_prompts
 from tests.conftest import (
     MAX_TOKENS,
     MIXED_MAX_TOKENS,
@@ -33,6 +35,7 @@ from tests.conftest import (
 pytestmark = pytest.mark.e2e
 
 CAP = 8
+EAGLE3_PACER_HEAD = REPO / "heads" / "toy" / "eagle3-pacer.safetensors"  # trained on the EAGLE-3 head
 
 
 def eagle3_config(k: int = CAP) -> dict:
@@ -100,37 +103,137 @@ def test_specdecpp_head_trained_on_the_eagle3_head(eagle3_specdecpp_llm, lossles
     assert snap["requests"] == {} and snap["tracked"] == 0, snap
 
 
-@pytest.mark.parametrize("method, head", [("eagle3", SPECDECPP_HEAD), ("draft_model", EAGLE3_SPECDECPP_HEAD)])
-def test_a_head_trained_for_one_drafter_fails_on_the_other(method, head):
+@pytest.fixture(scope="module")
+def eagle3_pacer_llm():
+    adaptive = {"policy": "pacer", "head": str(EAGLE3_PACER_HEAD)}
+    llm = make_llm(speculative_config=eagle3_config(), additional_config={"adaptive_spec": adaptive})
+    yield llm
+    close_llm(llm)
+
+
+def test_pacer_layer_trained_on_the_eagle3_head(eagle3_pacer_llm, lossless_prompts, lossless_reference):
+    got = greedy(eagle3_pacer_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+    assert got == lossless_reference, first_mismatch(got, lossless_reference)
+    (snap,) = released_stats(eagle3_pacer_llm)
+    assert snap["policy"] == "pacer" and snap["workload"]["n_accepted"] > 0
+    assert len(snap["drafted_len_hist"]) > 1, "the layer stops drafts at varying lengths"
+    assert snap["requests"] == {} and snap["tracked"] == 0, snap
+
+
+def _stash_contexts(worker) -> int:
+    """In the worker: keep each request's context window and the position after it when the policy forgets it."""
+    from vllm_adaptive_spec.integration import runtime
+
+    for proposer in runtime._proposers:
+        policy = proposer.policy
+        policy.stash = []
+        forget = policy.forget
+
+        def keep_then_forget(req_id, policy=policy, forget=forget):
+            if req_id in policy._ctx:
+                policy.stash.append((policy._ctx[req_id].cpu().clone(), policy._next_pos[req_id]))
+            forget(req_id)
+
+        policy.forget = keep_then_forget
+    return len(runtime._proposers)
+
+
+def _stashed(worker) -> list:
+    from vllm_adaptive_spec.integration import runtime
+
+    return [item for p in runtime._proposers for item in getattr(p.policy, "stash", [])]
+
+
+def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm):
+    """The window the policy keeps inside vLLM equals the rows `training.pacer_eagle3` trains on
+    (one teacher-forced head pass over the HF target's features), position for position."""
+    from vllm_adaptive_spec.heads.eagle3 import load_hf_dir
+    from vllm_adaptive_spec.training import data
+    from vllm_adaptive_spec.training.eagle3 import target_features
+    from vllm_adaptive_spec.training.pacer_eagle3 import first_pass_rows
+
+    assert eagle3_pacer_llm.collective_rpc(_stash_contexts) == [1]
+    prompts = load_prompts("code_heldout", N_LOSSLESS + 25)[N_LOSSLESS + 20 :]  # unseen by this engine
+    outs = eagle3_pacer_llm.generate(prompts, greedy_params(40), use_tqdm=False)
+    released_stats(eagle3_pacer_llm)  # every request's state released (and stashed)
+    stashes = [item for worker in eagle3_pacer_llm.collective_rpc(_stashed) for item in worker]
+    assert len(stashes) == len(prompts)
+    target_lm = data.load_causal_lm(TARGET)
+    head, head_cfg = load_hf_dir(EAGLE3_HEAD, target_lm.get_input_embeddings().weight)
+    rows = []  # per request: [L - 1, H]
+    for out in outs:
+        resp = data.Response(list(out.prompt_token_ids), list(out.outputs[0].token_ids), "greedy")
+        rows.append(first_pass_rows(head, target_features(target_lm, resp, head_cfg.aux_layer_ids)))
+
+    def rel(ctx, ref, end):
+        want = ref[end - len(ctx) : end]
+        return float((ctx - want).abs().mean() / want.abs().mean())
+
+    for ctx, end in stashes:  # the window holds the rows at positions end - len(ctx) .. end - 1
+        err, i = min((rel(ctx, ref, end), i) for i, ref in enumerate(rows) if len(ctx) <= end <= len(ref))
+        assert err < 1e-3, err
+        assert end == len(rows[i]) or rel(ctx, rows[i], end + 1) > 100 * err  # one row off is far worse
+        assert end - 1 < len(ctx) or rel(ctx, rows[i], end - 1) > 100 * err
+
+
+@pytest.mark.parametrize(
+    "method, policy, head",
+    [
+        ("eagle3", "specdecpp", SPECDECPP_HEAD),
+        ("draft_model", "specdecpp", EAGLE3_SPECDECPP_HEAD),
+        ("eagle3", "pacer", PACER_HEAD),
+        ("draft_model", "pacer", EAGLE3_PACER_HEAD),
+    ],
+)
+def test_a_head_trained_for_one_drafter_fails_on_the_other(method, policy, head):
     from vllm_adaptive_spec import ConfigError
 
     start = time.monotonic()
     with pytest.raises(ConfigError) as err:
         make_llm(
             speculative_config=vllm_run.spec_config(CAP, method),
-            additional_config={"adaptive_spec": {"policy": "specdecpp", "head": str(head)}},
+            additional_config={"adaptive_spec": {"policy": policy, "head": str(head)}},
         )
     msg = str(err.value)
     assert msg.startswith("adaptive_spec.head: ") and "the running draft is" in msg, msg
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.parametrize("method, needle", [("dflash", "parallel forward"), ("mtp", "not verified")])
-def test_unsupported_drafters_fail_at_startup_with_one_clear_error(method, needle):
+class _Spec:
+    method = "mtp"
+
+
+class _Engine:
+    additional_config = {"adaptive_spec": {"policy": "svip"}}
+    speculative_config = _Spec()
+
+
+def test_unsupported_drafters_fail_at_startup_with_one_clear_error():
+    from vllm_adaptive_spec import ConfigError
+    from vllm_adaptive_spec.integration.hooks import check_engine_config
+
+    with pytest.raises(ConfigError) as err:
+        check_engine_config(_Engine())
+    assert "speculative_config.method='mtp'" in str(err.value) and "not verified" in str(err.value)
+
+
+def test_the_batch_gate_is_off_for_a_parallel_drafter_and_refused_when_asked_for():
     from vllm_adaptive_spec import ConfigError
     from vllm_adaptive_spec.integration.hooks import check_engine_config
 
     class Spec:
-        pass
+        method = "dflash"
 
     class Engine:
         additional_config = {"adaptive_spec": {"policy": "svip"}}
         speculative_config = Spec()
 
-    Engine.speculative_config.method = method
+    assert check_engine_config(Engine()).batch_aware is False
+    Engine.additional_config = {"adaptive_spec": {"policy": "svip", "batch_aware": True}}
     with pytest.raises(ConfigError) as err:
         check_engine_config(Engine())
-    assert f"speculative_config.method={method!r}" in str(err.value) and needle in str(err.value)
+    msg = str(err.value)
+    assert msg.startswith("adaptive_spec.batch_aware: true") and "method='dflash'" in msg, msg
 
 
 def test_every_supported_method_has_a_drafter():

@@ -227,7 +227,7 @@ def fake_chains(n_resp: int = 5, prompt: int = 3, g: int = 4, runs=(2, 0, 4, 1, 
     where = torch.arange(n_resp)[:, None] + torch.arange(g)[None, :]
     return Chains(
         context=torch.randn(prompt + n_resp, H),
-        prompt_len=prompt,
+        offset=prompt,
         starts=torch.arange(n_resp),
         hidden=torch.randn(n_resp, g, H),
         label=label * (where < n_resp),

@@ -8,7 +8,9 @@ Reads top to bottom:
    position, 0 from the first mismatch on. One teacher-forced pass gives the
    context hidden states and a KV cache; the cache is copied once per chain
    and all chains of a response advance together, each masked to its own
-   prefix, so a response costs G batched one-token forwards.
+   prefix, so a response costs G batched one-token forwards. Chains are the
+   only drafter-specific step: `train_on_chains` takes the builder
+   (`training.pacer_eagle3` builds an EAGLE-3 head's own chains).
 2. `pack`: the context hidden states and every chain of one response form one
    sequence; `heads.pacer.build_chain_mask` lets a chain starting at j see the
    context before j (the last `window` positions of it) and its own earlier
@@ -23,10 +25,12 @@ Reads top to bottom:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,15 +74,31 @@ class TrainConfig:
 class Chains:
     """One response's context and draft chains (CPU tensors)."""
 
-    context: torch.Tensor  # [L, H] draft hidden state consuming each prompt+response token (teacher-forced)
-    prompt_len: int  # P
-    starts: torch.Tensor  # [C] response position j of each chain
+    context: torch.Tensor  # [L', H] the draft's first-pass state at each sequence position (teacher-forced)
+    offset: int  # context rows the chain at response position 0 sees (draft model: P; EAGLE-3 head: P - 1)
+    starts: torch.Tensor  # [C] response position j of each chain (its first draft is y_j)
     hidden: torch.Tensor  # [C, G] + [H]: hidden state consuming each chain token
     label: torch.Tensor  # [C, G] 1 while the chain agrees with y, 0 from the first mismatch on
     valid: torch.Tensor  # [C, G] bool: the chain token lies inside the response
 
 
+# (response, response positions to start chains at, chain length G) -> that response's Chains
+ChainBuilder = Callable[[data.Response, list[int], int], Chains]
+
+
 # -- chains (transformers draft, lazily loaded by the caller) --
+
+
+def chain_labels(
+    tokens: torch.Tensor, starts: torch.Tensor, response: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [C, G] drafted from response positions starts [C] on, response [R] ->
+    (label [C, G]: 1 while the chain agrees with the response, valid [C, G]: inside the response)."""
+    n_resp = len(response)
+    where = starts[:, None] + torch.arange(tokens.shape[1])[None, :]  # [C, G] response position of each token
+    valid = where < n_resp
+    agree = (tokens == response[where.clamp_max(n_resp - 1)]) & valid  # [C, G]
+    return agree.long().cumprod(-1).float(), valid
 
 
 @torch.no_grad()
@@ -106,16 +126,13 @@ def draft_chains(draft, resp: data.Response, starts: list[int], length: int) -> 
         states.append(h)
         tokens.append(token)
         token, pos = data.log_probs(draft, h).argmax(-1), pos + 1
-    y = torch.tensor(resp.response_ids)
-    where = j[:, None] + torch.arange(length)[None, :]  # [C, G] response position of each chain token
-    valid = where < n_resp
-    agree = (torch.stack(tokens, 1) == y[where.clamp_max(n_resp - 1)]) & valid  # [C, G]
+    label, valid = chain_labels(torch.stack(tokens, 1), j, torch.tensor(resp.response_ids))
     return Chains(
         context=context.clone(),
-        prompt_len=n_prompt,
+        offset=n_prompt,
         starts=j,
         hidden=torch.stack(states, 1).contiguous(),
-        label=agree.long().cumprod(-1).float(),
+        label=label,
         valid=valid,
     )
 
@@ -136,7 +153,7 @@ def pack(ch: Chains, window: int) -> Packed:
     """One response's context + chains as one sequence (window: -1 = full context, 0 = none)."""
     lengths = ch.valid.sum(-1).tolist()  # [C] tokens inside the response per chain
     keep = [n > 0 for n in lengths]
-    starts = [ch.prompt_len + int(j) for j, k in zip(ch.starts, keep) if k]
+    starts = [ch.offset + int(j) for j, k in zip(ch.starts, keep) if k]
     lengths = [n for n in lengths if n > 0]
     sel = ch.valid
     n_ctx = ch.context.shape[0]
@@ -301,14 +318,16 @@ def replay_grid(alphas: list[torch.Tensor], chains: list[Chains], cfg: TrainConf
 # -- the pipeline --
 
 
-def build_chains(draft_lm, responses: list[data.Response], cfg: TrainConfig, every: list[bool]) -> list[Chains]:
+def build_chains(
+    chains_of: ChainBuilder, responses: list[data.Response], cfg: TrainConfig, every: list[bool]
+) -> list[Chains]:
     """Chains per response: every position where every[i], else every train_stride-th."""
     from tqdm import tqdm
 
     out = []
     for resp, all_starts in tqdm(list(zip(responses, every)), desc="draft chains"):
         stride = 1 if all_starts else cfg.train_stride
-        out.append(draft_chains(draft_lm, resp, list(range(0, len(resp.response_ids), stride)), cfg.chain_length))
+        out.append(chains_of(resp, list(range(0, len(resp.response_ids), stride)), cfg.chain_length))
     return out
 
 
@@ -320,14 +339,29 @@ def train_pacer(
     cfg: TrainConfig,
     extra_meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Chains, training, evaluation, replay; saves the layer (unless out is None) and returns the report."""
+    """The pipeline on an independent draft model's chains (`draft_chains`)."""
+    chains_of = functools.partial(draft_chains, data.load_causal_lm(draft))
+    return train_on_chains(chains_of, target, draft, responses, out, cfg, extra_meta)
+
+
+def train_on_chains(
+    chains_of: ChainBuilder,
+    target: str | Path,
+    draft: str | Path,
+    responses: list[data.Response],
+    out: str | Path | None,
+    cfg: TrainConfig,
+    extra_meta: dict[str, Any] | None = None,
+    drafter_method: str = "draft_model",
+) -> dict[str, Any]:
+    """Chains (from `chains_of`), training, evaluation, replay; saves the layer (unless out is None),
+    tied to `draft` by its fingerprint, and returns the report."""
     if cfg.halting not in HALTING:
         raise ValueError(f"halting must be one of {HALTING}, got {cfg.halting!r}")
     started = time.perf_counter()
-    draft_lm = data.load_causal_lm(draft)
     val = [is_heldout(r, cfg.val_frac) for r in responses]
     replay_ids = [i for i, v in enumerate(val) if v and responses[i].mode == "greedy"][: cfg.replay_responses]
-    chains = build_chains(draft_lm, responses, cfg, [i in set(replay_ids) for i in range(len(responses))])
+    chains = build_chains(chains_of, responses, cfg, [i in set(replay_ids) for i in range(len(responses))])
     train = [c for c, v in zip(chains, val) if not v]
     heldout = [c for c, v in zip(chains, val) if v]
     built = time.perf_counter()
@@ -349,6 +383,7 @@ def train_pacer(
     )
     meta = {
         "draft": draft_identity(draft),
+        "drafter_method": drafter_method,
         "block_size": best["block_size"],
         "threshold": best["threshold"],
         "growth": best["growth"],

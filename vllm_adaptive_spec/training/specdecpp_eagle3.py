@@ -67,28 +67,37 @@ def response_chains(
 # -- greedy replay for the threshold --
 
 
-def replay(head: SpecDecHead, chains: list[tuple[torch.Tensor, torch.Tensor]], k: int, threshold: float | None):
-    """Greedy speculative decoding over each response, rounds of the SpecDec++ rule (threshold None:
-    fixed K). Token 0 comes from the prefill; a round at token i drafts the chain from i."""
+def replay_lengths(runs: list[torch.Tensor], lengths: list[torch.Tensor], k: int) -> SpecCounts:
+    """Greedy speculative decoding over each response: runs [C] agreeing drafts and lengths [C]
+    the round length of the chain from every round start (cap k). Token 0 comes from the prefill;
+    a round at token i drafts the chain from i, never past the response's end."""
     total = SpecCounts(accepted_per_pos=[0] * k)
-    for states, runs in chains:
-        n = len(runs) + 1  # generated tokens
-        if threshold is None:
-            lengths = torch.full((len(runs),), k)
-        else:
-            with torch.no_grad():
-                p = torch.sigmoid(head(states[:, 1:k]))  # [C, K-1] p_0 .. p_{K-2}
-            lengths = stop_lengths(torch.cat([p, torch.ones_like(p[:, :1])], 1), threshold)  # [C]
+    for run, length in zip(runs, lengths):
+        n = len(run) + 1  # generated tokens
         counts = SpecCounts(n_gen=1, n_target=1, accepted_per_pos=[0] * k)  # the prefill pass: token 0
         counts.accepted_hist[0] = 1
+        run_, length_ = run.tolist(), length.tolist()
         i = 1
         while i < n:
-            cap = min(int(lengths[i - 1]), n - i - 1)
-            accepted = min(int(runs[i - 1]), cap)
+            cap = min(int(length_[i - 1]), n - i - 1)
+            accepted = min(int(run_[i - 1]), cap)
             counts.record_step(cap, accepted)
             i += accepted + 1
         total.add(counts)
     return total
+
+
+def replay(head: SpecDecHead, chains: list[tuple[torch.Tensor, torch.Tensor]], k: int, threshold: float | None):
+    """Rounds of the SpecDec++ rule (threshold None: fixed K) over each response's chains."""
+    lengths = []
+    for states, runs in chains:
+        if threshold is None:
+            lengths.append(torch.full((len(runs),), k))
+            continue
+        with torch.no_grad():
+            p = torch.sigmoid(head(states[:, 1:k]))  # [C, K-1] p_0 .. p_{K-2}
+        lengths.append(stop_lengths(torch.cat([p, torch.ones_like(p[:, :1])], 1), threshold))  # [C]
+    return replay_lengths([runs for _, runs in chains], lengths, k)
 
 
 def train_specdecpp_eagle3(

@@ -1,0 +1,141 @@
+"""Thresholds of the training-free policies for an EAGLE-3 head, chosen on training responses.
+
+SVIP's h = 0.3 and the confidence rule's 0.4 are their papers' settings for
+their drafters; how sure a head is when it is right depends on the head, and
+how long a draft pays depends on the cost ratio c of the deployment. This
+picks each policy's threshold for one head and one c the way the trained
+heads pick theirs: an exact replay of greedy speculative decoding on held-out
+*training* responses (the split `training.specdecpp.is_heldout` keeps out of
+every head's training; never the prompts a benchmark reports).
+
+Exact for greedy: a round at response token i drafts exactly the head's own
+chain from i (`specdecpp_eagle3.response_chains`, the way vLLM drafts a
+round), and both rules read only that step's distribution q_t: svip stops
+after y_t once its entropy H(q_t) > h^2 / c_e, confidence once
+q_t(y_t) = max q_t < threshold (y_t is the greedy token). Neither ever drops
+a draft, so a round drafts up to and including its first stop. The replay
+charges no policy time (the harness measures that inside the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_adaptive_spec.heads.eagle3 import Eagle3Head, load_hf_dir
+from vllm_adaptive_spec.heads.fileformat import draft_identity, project_commit
+from vllm_adaptive_spec.metrics import replay_row
+from vllm_adaptive_spec.policies.base import entropy
+from vllm_adaptive_spec.training import data
+from vllm_adaptive_spec.training.specdecpp import is_heldout
+from vllm_adaptive_spec.training.specdecpp_eagle3 import replay_lengths, response_chains
+
+logger = logging.getLogger(__name__)
+
+SVIP_ENTROPY_SCALE = 0.15  # c_e, the policy's default (policies/svip.py)
+
+
+@dataclass
+class TuneConfig:
+    cap: int = 16  # K: the longest round
+    cost_ratio: float = 4.0  # c = t_T / t_D the threshold is chosen for
+    val_frac: float = 0.1  # the held-out share of the training prompts (the heads' split)
+    replay_responses: int = 200  # held-out training responses replayed (0: all)
+    svip: tuple[float, ...] = tuple(round(0.1 * i, 2) for i in range(1, 13))  # h
+    confidence: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 19))
+
+
+@dataclass
+class ChainFeatures:
+    """One response's chains as the two rules see them."""
+
+    runs: torch.Tensor  # [C] agreeing drafts of the chain from each round start
+    entropy: torch.Tensor  # [C, cap] H(q_t) in nats
+    q_max: torch.Tensor  # [C, cap] max q_t (the greedy draft's probability)
+
+
+@torch.no_grad()
+def chain_features(head: Eagle3Head, states: torch.Tensor, runs: torch.Tensor) -> ChainFeatures:
+    """states [C, cap, H] (the normed state each draft's logits come from), runs [C]."""
+    logp = torch.log_softmax(head.logits(states), dim=-1, dtype=torch.float32)  # [C, cap, V]
+    return ChainFeatures(runs=runs, entropy=entropy(logp), q_max=logp.amax(-1).exp())
+
+
+def stop_lengths(stop_after: torch.Tensor) -> torch.Tensor:
+    """stop_after [C, K] bool (the rule stops after step t) -> round lengths [C] in 1..K."""
+    last = torch.ones_like(stop_after[:, :1])
+    return torch.cat([stop_after[:, :-1], last], 1).int().argmax(-1) + 1
+
+
+def rule_lengths(policy: str, threshold: float, f: ChainFeatures) -> torch.Tensor:
+    """The round length [C] `policy` at `threshold` gives every chain."""
+    if policy == "svip":
+        return stop_lengths(f.entropy > threshold**2 / SVIP_ENTROPY_SCALE)
+    if policy == "confidence":
+        return stop_lengths(f.q_max < threshold)
+    raise ValueError(f"no replay for policy {policy!r}")
+
+
+def sweep(feats: list[ChainFeatures], cfg: TuneConfig) -> dict[str, Any]:
+    """Fixed K 1..cap, the oracle and every threshold of each policy; the best threshold per policy."""
+    c, k = cfg.cost_ratio, cfg.cap
+    runs = [f.runs for f in feats]
+
+    def counts(lengths: list[torch.Tensor]):
+        return replay_lengths(runs, lengths, k)
+
+    fixed = [replay_row({"fixed_k": n}, counts([torch.full_like(r, n) for r in runs]), c) for n in range(1, k + 1)]
+    oracle = replay_row({"oracle": k}, counts([r.clamp_max(k) for r in runs]), c)
+    policies = {}
+    for policy in ("svip", "confidence"):
+        rows = [
+            replay_row({"threshold": t}, counts([rule_lengths(policy, t, f) for f in feats]), c)
+            for t in getattr(cfg, policy)
+        ]
+        policies[policy] = {"rows": rows, "best": max(rows, key=lambda row: row["speedup"])}
+    best_fixed = max(fixed, key=lambda row: row["speedup"])
+    return {"fixed": fixed, "best_fixed": best_fixed, "oracle": oracle, "policies": policies}
+
+
+def tune_eagle3(
+    target: str | Path,
+    drafter: str | Path,
+    responses: list[data.Response],
+    cfg: TuneConfig,
+    extra_meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Replays the head's chains on held-out training responses; returns the report with each
+    policy's recommended threshold at cfg.cost_ratio."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    target_lm = data.load_causal_lm(target)
+    head, head_cfg = load_hf_dir(drafter, target_lm.get_input_embeddings().weight)
+    head.eval()
+    held = [r for r in responses if r.mode == "greedy" and len(r.response_ids) > 2 and is_heldout(r, cfg.val_frac)]
+    held = held[: cfg.replay_responses] if cfg.replay_responses else held
+    feats = [
+        chain_features(head, *response_chains(head, target_lm, r, cfg.cap, head_cfg.aux_layer_ids))
+        for r in tqdm(held, desc="drafter chains")
+    ]
+    result = sweep(feats, cfg)
+    recommended = {p: {"threshold": v["best"]["threshold"]} for p, v in result["policies"].items()}
+    return {
+        "drafter": draft_identity(drafter),
+        "drafter_method": "eagle3",
+        "recommended": recommended,
+        "choice": (
+            f"maximises modeled speedup S(c={cfg.cost_ratio}) at cap K={cfg.cap} in an exact greedy replay of the "
+            f"head's chains on {len(held)} held-out training responses (no policy time charged)"
+        ),
+        "config": {k: v for k, v in vars(cfg).items()},
+        "data": {"target": Path(str(target)).name, **data.summarize(held), **(extra_meta or {})},
+        "replay": result,
+        "seconds": round(time.perf_counter() - started, 1),
+        "commit": project_commit(),
+    }
