@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import report
 from benchmarks.harness.plan import (
+    CAP,
     Cell,
     Config,
     Plan,
@@ -39,7 +40,7 @@ from benchmarks.harness.plan import (
     regime_plan,
     short_plan,
 )
-from benchmarks.paths import REPO
+from benchmarks.paths import DRAFTERS, REPO
 
 
 def environment() -> dict:
@@ -186,11 +187,34 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
     """Run every configuration on another bundled drafter; returns the out-dir suffix."""
     if args.drafter == "draft_model":
         return ""
+
     # HF assisted generation runs the draft model; the trained stopping heads carry the draft
-    # model's fingerprint and do not load on a head. The oracle unrolls the head (worker.eagle3_runs).
-    dropped = [c.name for c in plan.configs if c.kind == "hf" or (c.adaptive and "head" in c.adaptive)]
+    # model's fingerprint and do not load on a head. The oracle unrolls the head (worker.eagle3_runs)
+    # or drafts the block at every position (worker.dflash_runs).
+    def left_out(c) -> bool:
+        if c.kind == "hf" or (c.adaptive and "head" in c.adaptive):
+            return True
+        # a DFlash block is drafted in one forward: no batch gate (start-up refuses it when asked for,
+        # so the gate's own rows go and its "no batch gate" ablations equal the defaults); the policies'
+        # cap is the block the drafter was trained for, so the plugin's K=16 row goes too
+        return args.drafter == "dflash" and (
+            (c.adaptive or {}).get("batch_aware") is True
+            or "(no batch gate)" in c.name
+            or c.name == "plugin fixed K=16"
+        )
+
+    dropped = [c.name for c in plan.configs if left_out(c)]
     kept = [c for c in plan.configs if c.name not in dropped]
-    plan.configs[:] = [replace(c, method=args.drafter) for c in kept + eagle3_head_configs()]
+    extra = eagle3_head_configs() if args.drafter == "eagle3" else []
+    plan.configs[:] = [replace(c, method=args.drafter) for c in kept + extra]
+    if args.drafter == "dflash":
+        # the drafter's runs come from its trained block; an oracle at another cap would need another block
+        from vllm_adaptive_spec.heads.dflash import load_hf_dir
+
+        block = load_hf_dir(DRAFTERS["dflash"])[1].block_size
+        plan.oracle_ks = (block,)
+        plan.configs[:] = [replace(c, k=block) if c.kind == "plugin" and c.k == CAP else c for c in plan.configs]
+        plan.notes.append(f"dflash: the oracle cuts each round's block of {block} at its accepted prefix")
     plan.notes.append(f"drafter {args.drafter}: every configuration runs on it; left out {dropped}")
     return f"_{args.drafter}"
 
@@ -235,7 +259,10 @@ def main() -> None:
     ap.add_argument("--counts-only", action="store_true", help="only the count cells (no wall clock)")
     ap.add_argument("--workloads", nargs="*", help="only these prompt families (e.g. code_heldout)")
     ap.add_argument(
-        "--drafter", choices=("draft_model", "eagle3"), default="draft_model", help="the bundled drafter to run"
+        "--drafter",
+        choices=("draft_model", "eagle3", "dflash"),
+        default="draft_model",
+        help="the bundled drafter to run",
     )
     ap.add_argument(
         "--costs",

@@ -269,6 +269,26 @@ def eagle3_runs(prompt_ids: list[list[int]], outputs: list[list[int]], cap: int)
     return runs
 
 
+def dflash_runs(prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
+    """runs[r][i]: how many drafts of the DFlash drafter's block agree with output r from token i on, the
+    block drafted (at the block size it was trained for) after the target emitted token i - 1
+    (transformers' float32 target features). A cut never changes what a round accepts, so the oracle
+    over cut points is exact from these."""
+    from benchmarks.paths import DRAFTERS, TARGET
+    from vllm_adaptive_spec.heads.dflash import load_hf_dir
+    from vllm_adaptive_spec.training.data import Response, load_causal_lm
+    from vllm_adaptive_spec.training.dflash import accepted_per_anchor
+    from vllm_adaptive_spec.training.eagle3 import target_features
+
+    target = load_causal_lm(TARGET)
+    drafter, cfg = load_hf_dir(DRAFTERS["dflash"], target.get_input_embeddings().weight, target.lm_head.weight)
+    runs = []
+    for p, g in zip(prompt_ids, outputs):
+        acc = accepted_per_anchor(drafter, target_features(target, Response(p, g, "greedy"), cfg.hf_layer_ids))
+        runs.append(([0] + acc)[: len(g)])  # anchor of the round at token i: the output's token i - 1
+    return runs
+
+
 def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int], method: str = "draft_model") -> list[dict]:
     """Target greedy output + the drafter's greedy predictions: the oracle and the fixed-K replay.
     A draft model is read teacher-forced in one pass; an EAGLE-3 head is unrolled from every position."""
@@ -281,8 +301,11 @@ def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int], method: s
         ref = saved.get(cell.key)
         if ref is None or cell.temperature != 0.0:
             continue
-        if method == "eagle3":
-            runs = eagle3_runs(ref["prompt_ids"], ref["outputs"], max(ks))
+        if method in ("eagle3", "dflash"):
+            if method == "eagle3":
+                runs = eagle3_runs(ref["prompt_ids"], ref["outputs"], max(ks))
+            else:
+                runs = dflash_runs(ref["prompt_ids"], ref["outputs"])
             matches = [[r > 0 for r in row] for row in runs]
         else:
             matches, runs = draft_matches(ref["prompt_ids"], ref["outputs"]), None

@@ -1,6 +1,6 @@
-"""Every training-free stopping policy inside vLLM, on both bundled drafters (the toy draft
-model and the EAGLE-3 head, one shared loop): lossless greedy output, statistics, policy
-timing, early exit."""
+"""Every training-free stopping policy inside vLLM, on the bundled drafters (the toy draft
+model and the EAGLE-3 head, and for the rules that read q_t the DFlash block drafter; one shared
+loop): lossless greedy output, statistics, policy timing, early exit."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ pytestmark = pytest.mark.e2e
 
 CAP = 8
 DRAFTERS = ("draft_model", "eagle3")  # speculative_config.method of the bundled drafters
+# the DFlash block drafter (one forward drafts the block; the policy cuts it): the rules that read q_t
+DFLASH_POLICIES = ("fixed", "svip", "confidence", "adaedl")
 CASES = [(method, policy) for method in DRAFTERS for policy in TRAINING_FREE_POLICIES]
+CASES += [("dflash", policy) for policy in DFLASH_POLICIES]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{p}" for m, p in CASES])
@@ -49,8 +52,9 @@ def test_lossless_batched(policy_llm, lossless_prompts, lossless_reference):
 
 
 def test_lossless_batch_of_one(policy_llm, lossless_prompts, lossless_reference):
+    """Every held-out prompt alone (one request in the engine at a time)."""
     _, llm = policy_llm
-    for i in range(0, 10):
+    for i in range(len(lossless_prompts)):
         got = greedy(llm, lossless_prompts[i : i + 1], MIXED_MAX_TOKENS[i])
         assert got == lossless_reference[i : i + 1], f"prompt {i}: " + first_mismatch(got, lossless_reference[i:])
 

@@ -141,7 +141,8 @@ def _stash_contexts(worker) -> int:
 def _stashed(worker) -> list:
     from vllm_adaptive_spec.integration import runtime
 
-    return [item for p in runtime._proposers for item in getattr(p.policy, "stash", [])]
+    # plain lists: collective_rpc does not hand tensors back as tensors
+    return [(ctx.float().tolist(), end) for p in runtime._proposers for ctx, end in getattr(p.policy, "stash", [])]
 
 
 def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm):
@@ -156,7 +157,11 @@ def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm
     prompts = load_prompts("code_heldout", N_LOSSLESS + 25)[N_LOSSLESS + 20 :]  # unseen by this engine
     outs = eagle3_pacer_llm.generate(prompts, greedy_params(40), use_tqdm=False)
     released_stats(eagle3_pacer_llm)  # every request's state released (and stashed)
-    stashes = [item for worker in eagle3_pacer_llm.collective_rpc(_stashed) for item in worker]
+    import torch
+
+    stashes = [
+        (torch.as_tensor(ctx), end) for worker in eagle3_pacer_llm.collective_rpc(_stashed) for ctx, end in worker
+    ]
     assert len(stashes) == len(prompts)
     target_lm = data.load_causal_lm(TARGET)
     head, head_cfg = load_hf_dir(EAGLE3_HEAD, target_lm.get_input_embeddings().weight)
@@ -171,9 +176,9 @@ def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm
 
     for ctx, end in stashes:  # the window holds the rows at positions end - len(ctx) .. end - 1
         err, i = min((rel(ctx, ref, end), i) for i, ref in enumerate(rows) if len(ctx) <= end <= len(ref))
-        assert err < 1e-3, err
-        assert end == len(rows[i]) or rel(ctx, rows[i], end + 1) > 100 * err  # one row off is far worse
-        assert end - 1 < len(ctx) or rel(ctx, rows[i], end - 1) > 100 * err
+        assert err < 2e-2, err  # the engine runs in bfloat16 (relative precision 4e-3), the module in float32
+        assert end == len(rows[i]) or rel(ctx, rows[i], end + 1) > 10 * err  # one row off is far worse
+        assert end - 1 < len(ctx) or rel(ctx, rows[i], end - 1) > 10 * err
 
 
 @pytest.mark.parametrize(

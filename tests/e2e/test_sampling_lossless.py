@@ -54,6 +54,7 @@ POLICIES = {
     "pacer": ("draft_model", {"policy": "pacer", "head": str(HEADS / "pacer.safetensors"), **NO_GATE}),
     "vllm_av": ("draft_model", {"policy": "vllm_av"}),
     "eagle3 svip": ("eagle3", {"policy": "svip"}),
+    "dflash confidence": ("dflash", {"policy": "confidence"}),  # the block cut where the rule stops
 }
 
 

@@ -11,13 +11,15 @@ which does the only other two things the plugin changes, in this order:
    55005: its CPU fallback returns uninitialised values);
 2. replaces the runner's `drafter` with the adaptive drafter for its method
    (`proposer.DRAFTERS`): vLLM's own proposer class (`DraftModelProposer`,
-   `EagleProposer`) with the shared adaptive draft loop in front of it.
+   `EagleProposer`, `DFlashProposer`) with the shared adaptive draft loop in
+   front of it.
 Separately, `prometheus.AdaptiveSpecStatLogger` is a stat-logger plugin (a
 vLLM extension point, not a patch) that exports nothing for other engines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError, parse_additional_config
+from vllm_adaptive_spec.config import CONFIG_KEY, AdaptiveSpecConfig, ConfigError, parse_additional_config
 from vllm_adaptive_spec.policies import POLICY_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,11 @@ class Hook:
 
 
 # speculative_config.method values the adaptive loop serves (proposer.DRAFTERS has one drafter each)
-SUPPORTED_METHODS = ("draft_model", "eagle", "eagle3")
+SUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "dflash")
+# drafters whose whole block comes from one forward: a policy's cut saves verification, not drafting,
+# so the batch gate (which weighs the next draft step's cost) has nothing to decide there
+PARALLEL_METHODS = ("dflash",)
 _WHY_NOT = {
-    "dflash": "its drafts come from one parallel forward, so there is no draft step to stop",
     "mtp": "not verified on this vLLM build yet (dense Qwen3 targets have no MTP layers to test it on)",
 }
 
@@ -61,6 +65,13 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
             f"adaptive_spec needs speculative_config with a method in {list(SUPPORTED_METHODS)} "
             f"(its num_speculative_tokens is the cap K); got speculative_config.method={method!r}{why}"
         )
+    if method in PARALLEL_METHODS and cfg.batch_aware:
+        if vllm_config.additional_config[CONFIG_KEY].get("batch_aware") is True:
+            raise ConfigError(
+                f"adaptive_spec.batch_aware: true does not combine with speculative_config.method={method!r} "
+                "(the block is drafted in one forward, so there is no next draft step to weigh)"
+            )
+        cfg = dataclasses.replace(cfg, batch_aware=False)  # the default for adaptive policies, off here
     # Trained heads must fit the running draft (SpecDec++: fingerprint in the head file).
     POLICY_CLASSES[cfg.policy].check_engine(cfg.params, spec.model)
     return cfg

@@ -3,7 +3,8 @@
 One loop (`AdaptiveDraftLoop`) serves every drafter the plugin supports; a
 drafter is a two-line adapter that puts the loop in front of vLLM's own
 proposer class (`AdaptiveDraftModelProposer` for an independent draft model,
-`AdaptiveEagleProposer` for EAGLE / EAGLE-3 heads). What differs per drafter
+`AdaptiveEagleProposer` for EAGLE / EAGLE-3 heads, `AdaptiveDFlashProposer`
+for DFlash block drafters). What differs per drafter
 stays vLLM's: the first pass's inputs (`set_inputs_first_pass`, the EAGLE-3
 fused target features), whether the model reads a hidden state
 (`pass_hidden_states_to_model`) and whether it returns a separate state to
@@ -19,6 +20,13 @@ base proposer uses; only the loop and its stopping are ours.
 
 Rows that stopped stay in the batch until the loop ends (their extra tokens
 are computed and dropped), so the batch shape never changes mid-round.
+
+A parallel drafter (DFlash) drafts its whole block in the first pass: step t
+reads the block's position t instead of running a forward, and the same
+policy cuts each request's block where it stops. The cut saves verification
+(fewer draft tokens for the target to check), never draft compute; every
+position's distribution exists before any token is drawn, so a cut depends
+only on what was known before the dropped drafts were drawn.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any
 import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
@@ -77,7 +86,6 @@ class AdaptiveDraftLoop:
             "M-RoPE draft": self.uses_mrope,
             "multimodal draft": self.supports_mm_inputs,
             "heterogeneous vocabularies": getattr(self, "use_heterogeneous_vocab", False),
-            "parallel drafting": self.parallel_drafting,
             "constant draft positions": getattr(self, "constant_draft_positions", False),
         }
         for what, present in unsupported.items():
@@ -247,9 +255,15 @@ class AdaptiveDraftLoop:
             self.stats.record_proposal([0] * batch, forwards)
             return [[] for _ in range(batch)]
 
-        hidden = hidden[sample_idx]  # [B, hidden]
-        carried = carried[sample_idx]  # [B, hidden]
-        positions = self.positions[sample_idx]  # [B]
+        # A parallel drafter (DFlash) drafted the whole block in the first pass: its step t reads
+        # block position t, no forward; the loop and the policy's stops are the same.
+        block = hidden[sample_idx].view(batch, cap, -1) if self.parallel_drafting else None  # [B, cap, hidden]
+        if block is None:
+            hidden = hidden[sample_idx]  # [B, hidden]
+            carried = carried[sample_idx]  # [B, hidden]
+            positions = self.positions[sample_idx]  # [B]
+        else:
+            hidden = block[:, 0]
         # Per-row bookkeeping lives on the host: one copy of the policy's decisions per step (the
         # sync that ending the loop early needs anyway) instead of a dozen tiny tensor ops.
         active = [n > 0 for n in limits]  # rows still drafting
@@ -263,7 +277,11 @@ class AdaptiveDraftLoop:
         probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
 
         for t in range(cap):
-            if t > 0:
+            if t > 0 and block is not None:
+                if not any(active):
+                    break
+                hidden = block[:, t]
+            elif t > 0:
                 if not any(active):
                     break
                 if t == 1:
@@ -355,13 +373,21 @@ class AdaptiveDraftModelProposer(AdaptiveDraftLoop, DraftModelProposer):
     """method "draft_model": an independent draft LM; everything as vLLM's."""
 
 
-class AdaptiveEagleProposer(AdaptiveDraftLoop, EagleProposer):
-    """methods "eagle" and "eagle3": a head that reads the target's hidden states and its own last state."""
+class _FusedFeatures:
+    """Drafters that read several target layers, fused by the drafter's fc (as vLLM's propose does)."""
 
     def _first_pass_features(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.method == "eagle3":  # the low/mid/high target layers, fused by the head's fc (as vLLM does)
+        if self.method in ("eagle3", "dflash"):
             return self.model.combine_hidden_states(target_hidden_states)
         return target_hidden_states
+
+
+class AdaptiveEagleProposer(_FusedFeatures, AdaptiveDraftLoop, EagleProposer):
+    """methods "eagle" and "eagle3": a head that reads the target's hidden states and its own last state."""
+
+
+class AdaptiveDFlashProposer(_FusedFeatures, AdaptiveDraftLoop, DFlashProposer):
+    """method "dflash": a block drafter; one forward drafts the block, the policy cuts it per request."""
 
 
 # speculative_config.method -> the adaptive drafter (keys: hooks.SUPPORTED_METHODS)
@@ -369,4 +395,5 @@ DRAFTERS: dict[str, type[AdaptiveDraftLoop]] = {
     "draft_model": AdaptiveDraftModelProposer,
     "eagle": AdaptiveEagleProposer,
     "eagle3": AdaptiveEagleProposer,
+    "dflash": AdaptiveDFlashProposer,
 }

@@ -321,10 +321,9 @@ def evaluate(drafter: DFlashDrafter, seqs: list[Sequence], block_size: int, batc
 
 
 @torch.no_grad()
-def replay_response(drafter: DFlashDrafter, seq: Sequence) -> list[int]:
-    """Accepted drafts per round of greedy speculative decoding along one response: the round whose
-    bonus token is x_p drafts the block at anchor p; the next round's anchor is p + accepted + 1.
-    (vLLM's per-step counts also include drafts accepted past the response's end in its last round.)"""
+def accepted_per_anchor(drafter: DFlashDrafter, seq: Sequence) -> list[int]:
+    """Drafts the target would accept from the block at every anchor of one response (greedy),
+    anchor i = the i-th response position whose bonus token starts a round (anchor_positions)."""
     anchors = anchor_positions(seq)
     if len(anchors) == 0:
         return []
@@ -332,12 +331,24 @@ def replay_response(drafter: DFlashDrafter, seq: Sequence) -> list[int]:
     drafts = draft_blocks(drafter, seq.ids, seq.aux, anchors)  # [N, K]
     where = anchors[:, None] + torch.arange(1, k + 1)  # [N, K]
     truth = seq.ids[where.clamp_max(len(seq.ids) - 1)]
-    acc = accepted_prefix(drafts, truth, len(seq.ids) - 1 - anchors).tolist()
+    return accepted_prefix(drafts, truth, len(seq.ids) - 1 - anchors).tolist()
+
+
+def walk_rounds(acc: list[int]) -> list[int]:
+    """Greedy speculative decoding along the anchors: a round at anchor c accepts acc[c] drafts and
+    the next round's anchor is c + acc[c] + 1. Returns the accepted count of each round."""
     rounds, c = [], 0
     while c < len(acc):
         rounds.append(acc[c])
         c += acc[c] + 1
     return rounds
+
+
+def replay_response(drafter: DFlashDrafter, seq: Sequence) -> list[int]:
+    """Accepted drafts per round of greedy speculative decoding along one response: the round whose
+    bonus token is x_p drafts the block at anchor p; the next round's anchor is p + accepted + 1.
+    (vLLM's per-step counts also include drafts accepted past the response's end in its last round.)"""
+    return walk_rounds(accepted_per_anchor(drafter, seq))
 
 
 # -- the pipeline --
