@@ -86,6 +86,13 @@ def test_fixed_policy_drafts_what_vllms_eagle_loop_drafts(eagle3_llm, vllm_eagle
     assert own["n_draft"] <= vllm["n_draft"]
 
 
+def _assert_lossless_one_at_a_time(llm, prompts: list[str], reference: list[list[int]]) -> None:
+    """Every held-out prompt alone in the engine (batch 1)."""
+    for i, prompt in enumerate(prompts):
+        got = greedy(llm, [prompt], MIXED_MAX_TOKENS[i])
+        assert got == reference[i : i + 1], f"prompt {i}: " + first_mismatch(got, reference[i:])
+
+
 @pytest.fixture(scope="module")
 def eagle3_specdecpp_llm():
     adaptive = {"policy": "specdecpp", "head": str(EAGLE3_SPECDECPP_HEAD)}
@@ -97,6 +104,7 @@ def eagle3_specdecpp_llm():
 def test_specdecpp_head_trained_on_the_eagle3_head(eagle3_specdecpp_llm, lossless_prompts, lossless_reference):
     got = greedy(eagle3_specdecpp_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
     assert got == lossless_reference, first_mismatch(got, lossless_reference)
+    _assert_lossless_one_at_a_time(eagle3_specdecpp_llm, lossless_prompts, lossless_reference)
     (snap,) = released_stats(eagle3_specdecpp_llm)
     assert snap["workload"]["n_accepted"] > 0
     assert len(snap["drafted_len_hist"]) > 1, "the head stops drafts at varying lengths"
@@ -114,6 +122,7 @@ def eagle3_pacer_llm():
 def test_pacer_layer_trained_on_the_eagle3_head(eagle3_pacer_llm, lossless_prompts, lossless_reference):
     got = greedy(eagle3_pacer_llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
     assert got == lossless_reference, first_mismatch(got, lossless_reference)
+    _assert_lossless_one_at_a_time(eagle3_pacer_llm, lossless_prompts, lossless_reference)
     (snap,) = released_stats(eagle3_pacer_llm)
     assert snap["policy"] == "pacer" and snap["workload"]["n_accepted"] > 0
     assert len(snap["drafted_len_hist"]) > 1, "the layer stops drafts at varying lengths"
