@@ -237,6 +237,7 @@ def test_the_batch_gate_is_off_for_a_parallel_drafter_and_refused_when_asked_for
 
     class Spec:
         method = "dflash"
+        model = str(REPO / "heads" / "toy" / "dflash")
 
     class Engine:
         additional_config = {"adaptive_spec": {"policy": "svip"}}
