@@ -205,7 +205,7 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
 
     dropped = [c.name for c in plan.configs if left_out(c)]
     kept = [c for c in plan.configs if c.name not in dropped]
-    extra = eagle3_head_configs() if args.drafter == "eagle3" else []
+    extra = eagle3_head_configs(regime=args.regime) if args.drafter == "eagle3" else []
     plan.configs[:] = [replace(c, method=args.drafter) for c in kept + extra]
     if args.drafter == "dflash":
         # the drafter's runs come from its trained block; an oracle at another cap would need another block

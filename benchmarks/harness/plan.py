@@ -13,7 +13,7 @@ how many prompts and tokens, how many timed repeats. Two kinds of cells:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,10 @@ SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
 PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
 EAGLE3_SPECDECPP_HEAD = REPO / "heads" / "toy" / "eagle3-specdecpp.safetensors"  # trained on the EAGLE-3 head
 EAGLE3_PACER_HEAD = REPO / "heads" / "toy" / "eagle3-pacer.safetensors"  # trained on the EAGLE-3 head
-# svip and confidence thresholds for the EAGLE-3 head, chosen on training responses (`vllm-adaptive-spec tune`)
+# svip and confidence thresholds for the EAGLE-3 head, chosen on training responses (`vllm-adaptive-spec tune`):
+# at c = 4 (the counts of record) and at c = 12 (near regime (c)'s measured 11-13.5)
 EAGLE3_TUNED = REPO / "heads" / "toy" / "eagle3.tune.json"
+EAGLE3_TUNED_FILES = (EAGLE3_TUNED, REPO / "heads" / "toy" / "eagle3.tune-c12.json")
 # The position-embedding ablation: two layers trained alike (500 responses), with and without e_i.
 PACER_ABLATION_PAIR = {
     "on": REPO / "heads" / "toy" / "ablations" / "pacer_pos500.safetensors",
@@ -142,14 +144,16 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
     return configs
 
 
-def eagle3_head_configs() -> list[Config]:
+def eagle3_head_configs(regime: bool = False) -> list[Config]:
     """Stopping heads trained on the bundled EAGLE-3 head (the draft model's do not load on it), and
-    svip / confidence at the thresholds `tune` chose for it on training responses (gate off, as sweeps)."""
+    svip / confidence at the thresholds `tune` chose for it on training responses (gate off, as sweeps).
+    regime: the batch-1 regime's rows, all timed: each head with and without the gate, the tuned rows."""
     configs = []
     if EAGLE3_SPECDECPP_HEAD.exists():
         head = str(EAGLE3_SPECDECPP_HEAD)
         configs += [
             _plugin("specdecpp (eagle3 head default)", "specdecpp", {"policy": "specdecpp", "head": head}, timed=True),
+            _plugin("specdecpp eagle3 (no batch gate)", "specdecpp", {"policy": "specdecpp", "head": head}),
             *[
                 _plugin(
                     f"specdecpp eagle3 th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t
@@ -163,12 +167,17 @@ def eagle3_head_configs() -> list[Config]:
             _plugin("pacer (eagle3 layer defaults)", "pacer", {"policy": "pacer", "head": head}, timed=True),
             _plugin("pacer eagle3 (no batch gate)", "pacer", {"policy": "pacer", "head": head, "batch_aware": False}),
         ]
-    if EAGLE3_TUNED.exists():
-        c = json.loads(EAGLE3_TUNED.read_text())["config"]["cost_ratio"]
-        for policy, setting in _eagle3_tuned().items():
+    for path in EAGLE3_TUNED_FILES:
+        if not path.exists():
+            continue
+        tuned = json.loads(path.read_text())
+        c = tuned["config"]["cost_ratio"]
+        for policy, setting in tuned["recommended"].items():
             t = setting["threshold"]
             name = f"{policy} {t} (tuned on train, c={c:g})"
             configs.append(_plugin(name, policy, {"policy": policy, "threshold": t}, t))
+    if regime:
+        configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs
 
 
@@ -333,6 +342,9 @@ def regime_plan() -> Plan:
         "pacer (layer defaults)",
         "plugin fixed K=4",
         "batch gate alone",
+        # the rules alone: their batch-1 cost without the gate's per-round work
+        "svip (no batch gate)",
+        "confidence (no batch gate)",
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]

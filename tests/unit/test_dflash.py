@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from benchmarks.paths import REPO
+from tests.unit import tiny_qwen3
+from tests.unit.tiny_qwen3 import assert_same_bytes, randomize_norms, safetensors_summary, saved_config
 from vllm_adaptive_spec.heads.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -33,26 +34,7 @@ from vllm_adaptive_spec.training.dflash import (
 )
 from vllm_adaptive_spec.training.eagle3 import Sequence
 
-TARGET = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_hidden_layers": 4,
-    "vocab_size": 50,
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-    "max_position_embeddings": 256,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+TARGET = {**tiny_qwen3.TARGET, "pad_token_id": 0}
 K, L = 4, 14
 BUNDLED = [REPO / "heads" / "toy" / "dflash", REPO / "heads" / "toy" / "dflash-ce"]
 
@@ -61,10 +43,7 @@ def make_drafter(seed: int = 0) -> tuple[DFlashDrafter, DFlashConfig]:
     torch.manual_seed(seed)
     cfg = DFlashConfig.from_target(TARGET, block_size=K)
     drafter = DFlashDrafter(cfg)
-    with torch.no_grad():  # non-trivial norms, so a swapped or skipped norm shows
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_norms(drafter)
     return drafter.eval(), cfg
 
 
@@ -249,16 +228,12 @@ def test_loss_trains_and_evaluation_counts() -> None:
 def test_saved_directory(tmp_path) -> None:
     drafter, cfg = make_drafter()
     out = save_hf_dir(drafter, cfg, tmp_path / "dflash", TARGET)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    conf = json.loads((out / "config.json").read_text())
+    conf = saved_config(out)
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
     assert conf["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 1, 2], "block_size": K + 1}
     assert conf["num_hidden_layers"] == 2 and conf["layer_types"] == ["full_attention"] * 2
     assert conf["target_hidden_size"] == 32 and conf["draft_vocab_size"] == conf["vocab_size"] == 50
-    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
-        keys = set(fh.keys())
-        shapes = {k: tuple(fh.get_tensor(k).shape) for k in keys}
-        dtypes = {fh.get_tensor(k).dtype for k in keys}
+    keys, shapes, dtypes = safetensors_summary(out / "model.safetensors")
     # exactly what vLLM's DFlashQwen3ForCausalLM loads: q/k/v and gate/up stacked by its loader,
     # no embed_tokens / lm_head (shared from the target), no d2t (same vocabulary)
     per_layer = {
@@ -281,9 +256,7 @@ def test_saved_directory(tmp_path) -> None:
     assert shapes["layers.1.self_attn.q_proj.weight"] == (32, 32)  # [n_q * d, H]: H wide, not 2H as in EAGLE-3
     assert shapes["layers.1.self_attn.k_proj.weight"] == (16, 32)
     assert shapes["layers.0.self_attn.k_norm.weight"] == (8,)
-    again = save_hf_dir(drafter, cfg, tmp_path / "again", TARGET)
-    for name in ("config.json", "model.safetensors"):
-        assert (out / name).read_bytes() == (again / name).read_bytes()  # deterministic bytes
+    assert_same_bytes(out, save_hf_dir(drafter, cfg, tmp_path / "again", TARGET))
     loaded, cfg2 = load_hf_dir(out, drafter.embed_tokens.weight, drafter.lm_head.weight)
     assert cfg2 == cfg
     seq = make_seq(cfg)
@@ -313,8 +286,7 @@ def test_bundled_drafter_directories(path) -> None:
     assert conf["dflash_config"]["target_layer_ids"] == [0, 1, 2]
     assert conf["vocab_size"] == target["vocab_size"] and conf["target_hidden_size"] == target["hidden_size"]
     _, cfg = load_hf_dir(path)
-    with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
-        assert set(fh.keys()) == expected_keys(cfg)
+    assert safetensors_summary(path / "model.safetensors")[0] == expected_keys(cfg)
     assert sum(p.stat().st_size for p in path.iterdir()) <= 8_000_000
 
 

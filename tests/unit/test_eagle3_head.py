@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors import safe_open
 
+from tests.unit.tiny_qwen3 import TARGET, assert_same_bytes, randomize_norms, safetensors_summary, saved_config
 from vllm_adaptive_spec.heads.eagle3 import (
     Eagle3Config,
     Eagle3Head,
@@ -27,25 +25,6 @@ from vllm_adaptive_spec.training.eagle3 import (
     ttt_losses,
 )
 
-TARGET = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "num_hidden_layers": 4,
-    "vocab_size": 50,
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-    "max_position_embeddings": 256,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 T, STEPS = 12, 4
 
 
@@ -53,10 +32,7 @@ def make_head(seed: int = 0) -> tuple[Eagle3Head, Eagle3Config]:
     torch.manual_seed(seed)
     cfg = Eagle3Config.from_target(TARGET)
     head = Eagle3Head(cfg)
-    with torch.no_grad():  # non-trivial norms, so a swapped or skipped norm shows
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_norms(head)
     return head.eval(), cfg
 
 
@@ -165,16 +141,12 @@ def test_rope_matches_transformers_qwen3() -> None:
 def test_saved_directory(tmp_path) -> None:
     head, cfg = make_head()
     out = save_hf_dir(head, cfg, tmp_path / "eagle3", TARGET)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    conf = json.loads((out / "config.json").read_text())
+    conf = saved_config(out)
     assert conf["architectures"] == ["Eagle3Qwen3ForCausalLM"] and conf["model_type"] == "qwen3"
     assert conf["num_hidden_layers"] == 1 and conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert conf["target_hidden_size"] == 32 and conf["draft_vocab_size"] == conf["vocab_size"] == 50
     assert conf["tie_word_embeddings"] is False and conf["rope_parameters"]["rope_theta"] == 10000.0
-    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
-        keys = set(fh.keys())
-        shapes = {k: tuple(fh.get_tensor(k).shape) for k in keys}
-        dtypes = {fh.get_tensor(k).dtype for k in keys}
+    keys, shapes, dtypes = safetensors_summary(out / "model.safetensors")
     assert keys == expected_keys(cfg) and "embed_tokens.weight" not in keys
     assert dtypes == {torch.float32}
     assert shapes["fc.weight"] == (32, 96)
@@ -182,9 +154,7 @@ def test_saved_directory(tmp_path) -> None:
     assert shapes["midlayer.self_attn.k_proj.weight"] == (16, 64)
     assert shapes["lm_head.weight"] == (50, 32)
     # deterministic bytes (the plugin fingerprints drafter directories)
-    again = save_hf_dir(head, cfg, tmp_path / "again", TARGET)
-    for name in ("config.json", "model.safetensors"):
-        assert (out / name).read_bytes() == (again / name).read_bytes()
+    assert_same_bytes(out, save_hf_dir(head, cfg, tmp_path / "again", TARGET))
     # round trip
     loaded, cfg2 = load_hf_dir(out, head.embed_tokens.weight)
     assert cfg2 == cfg

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks.harness import plots, report
-from benchmarks.harness.plan import full_plan, short_plan
+from benchmarks.harness.plan import eagle3_head_configs, full_plan, regime_plan, short_plan
 
 
 def _cell(key_kind: str, batch: int, temperature: float = 0.0) -> dict:
@@ -180,6 +180,20 @@ def test_threshold_sweeps_run_without_the_gate_and_defaults_with_it():
     for c in plugin:
         gate = c.adaptive.get("batch_aware", True)
         assert gate == (c.timed and "no batch gate" not in c.name), c.name
+
+
+def test_eagle3_rows_and_their_regime_variant():
+    counts, regime = eagle3_head_configs(), eagle3_head_configs(regime=True)
+    assert len({c.name for c in counts}) == len(counts)
+    tuned = [c for c in counts if "tuned on train" in c.name]
+    assert {c.name.split("c=")[1] for c in tuned} == {"4)", "12)"}  # both bundled tune files
+    for c in counts:  # as the draft model's rows: sweeps and ablations gate off, each head's default gated
+        gate = c.adaptive.get("batch_aware", True)
+        assert gate == (c.timed and "no batch gate" not in c.name), c.name
+    # the regime times each head with and without the gate and the tuned rows; no sweeps
+    assert all(c.timed for c in regime)
+    assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned}
+    assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
 
 
 def test_interleaved_groups_rotation_and_pairing():

@@ -15,6 +15,7 @@ from vllm_adaptive_spec.heads.specdecpp import (
     SpecDecHead,
     SpecDecHeadConfig,
     check_specdecpp,
+    frozen_logits,
     load_specdecpp,
     save_specdecpp,
     stop_lengths,
@@ -51,6 +52,28 @@ def head_file(tmp_path, draft) -> Path:
     path = tmp_path / "head.safetensors"
     make_head_file(path, draft)
     return path
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_frozen_logits_equal_the_module(batch):
+    # the policies run the head through heads.affine (addmm on stored W^T): the same maths
+    torch.manual_seed(1)
+    head = SpecDecHead(SpecDecHeadConfig(H, depth=3))
+    for p in head.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(batch, H)
+    with torch.no_grad():
+        torch.testing.assert_close(frozen_logits(head)(x), head(x), rtol=1e-5, atol=1e-6)
+
+
+def test_affine_keeps_leading_dims():
+    from vllm_adaptive_spec.heads.affine import Affine
+
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(Affine.of(lin)(x), lin(x))
+        torch.testing.assert_close(Affine(lin.weight)(x), x @ lin.weight.T)
 
 
 def test_blocks_have_their_own_weights():
@@ -195,6 +218,9 @@ class _Fixed(SpecDecHead):
 
     def forward(self, hidden):
         return self.logits.pop(0).to(hidden.device)
+
+    def inference(self):
+        return self.forward
 
 
 def test_policy_judges_the_previous_token_and_stops(head_file):

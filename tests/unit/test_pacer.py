@@ -110,6 +110,7 @@ def test_blockwise_inference_equals_the_training_path(use_position):
         pos = torch.tensor([0] * len(ctx) + [min(i, 4) for i in range(1, 7)])
         full = layer(torch.cat([ctx, d])[None], pos[None], build_chain_mask(len(ctx), [len(ctx)], [6]))
         want.append(full[0, len(ctx) :])
+    layer.freeze()  # the policy's inference path (heads.affine); the training path above stays F.linear
     width, cap, block = 5, 6, 2
     k_buf, v_buf = torch.zeros(2, 2, width + cap, H // 2), torch.zeros(2, 2, width + cap, H // 2)
     valid = torch.zeros(2, width, dtype=torch.bool)

@@ -35,7 +35,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_adaptive_spec.heads.eagle3 import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_theta
+from vllm_adaptive_spec.heads.eagle3 import (
+    MLP,
+    RMSNorm,
+    apply_rope,
+    check_attention_shape,
+    copy_target_weights,
+    draft_hf_config,
+    load_weights,
+    rope_cos_sin,
+    saved_shape,
+    shipped_tensors,
+    target_shape,
+    write_hf_dir,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -57,10 +70,7 @@ class DFlashConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_attention_shape(self.num_heads, self.num_kv_heads, self.head_dim)
         ids = self.target_layer_ids
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"target_layer_ids must be distinct ids >= 0, got {ids}")
@@ -84,21 +94,12 @@ class DFlashConfig:
             target_layer_ids = (0, 1, 2) if n <= 8 else (1, n // 2 - 1, n - 3)
         if mask_token_id is None:  # DFlash checkpoints use a dedicated token; the toy vocabulary has none
             mask_token_id = target.get("pad_token_id") or 0
-        hidden = target["hidden_size"]
         return cls(
-            hidden_size=hidden,
-            target_hidden_size=hidden,
-            intermediate_size=intermediate_size or target["intermediate_size"],
+            **target_shape(target, intermediate_size),
             num_layers=num_layers,
-            num_heads=target["num_attention_heads"],
-            num_kv_heads=target.get("num_key_value_heads", target["num_attention_heads"]),
-            head_dim=target.get("head_dim") or hidden // target["num_attention_heads"],
-            vocab_size=target["vocab_size"],
             block_size=block_size,
             mask_token_id=mask_token_id,
             target_layer_ids=tuple(target_layer_ids),
-            rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta(target),
         )
 
     @property
@@ -237,28 +238,12 @@ def draft_blocks(drafter: DFlashDrafter, ids: torch.Tensor, aux: torch.Tensor, a
 
 def init_from_target(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor) -> None:
     """Embedding and LM head (frozen, the target's), final norm from the target's; fc and layers stay random."""
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(embed)
-        drafter.lm_head.weight.copy_(lm_head)
-        drafter.norm.weight.copy_(norm)
+    copy_target_weights(drafter, embed, lm_head, norm)
 
 
 # -- the directory vLLM loads --
 
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # the target's, never shipped
-
-# Qwen3 fields copied from the target's config (the decoder layers read them).
-_COPIED = (
-    "attention_bias",
-    "attention_dropout",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "hidden_act",
-    "max_position_embeddings",
-    "rope_parameters",
-    "rope_theta",
-)
 
 
 def expected_keys(cfg: DFlashConfig) -> set[str]:
@@ -272,38 +257,15 @@ def expected_keys(cfg: DFlashConfig) -> set[str]:
 
 
 def hf_config(cfg: DFlashConfig, target_config: dict[str, Any]) -> dict[str, Any]:
-    out = {k: target_config[k] for k in _COPIED if k in target_config}
-    out.update(
-        {
-            # "DFlashDraftModel" selects qwen3_dflash.py; a Qwen3 name would make vLLM look for DFlashQwen3...
-            "architectures": [ARCHITECTURE],
-            "model_type": "qwen3",
-            "dtype": "float32",
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.rms_norm_eps,
-            "vocab_size": cfg.vocab_size,
-            "num_hidden_layers": cfg.num_layers,
-            # full attention on every layer: vLLM then runs the block non-causally, as trained
-            "layer_types": ["full_attention"] * cfg.num_layers,
-            "sliding_window": None,
-            "use_sliding_window": False,
-            "tie_word_embeddings": False,
-            "target_hidden_size": cfg.target_hidden_size,
-            "draft_vocab_size": cfg.vocab_size,
-            "dflash_config": {
-                "mask_token_id": cfg.mask_token_id,
-                "target_layer_ids": list(cfg.target_layer_ids),
-                # DFlash's block counts the anchor; vLLM ignores it (num_speculative_tokens sets the block)
-                "block_size": cfg.block_size + 1,
-            },
-        }
-    )
-    if "rope_parameters" not in out:
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    # "DFlashDraftModel" selects qwen3_dflash.py; a Qwen3 name would make vLLM look for DFlashQwen3...
+    # Full attention on every layer (layer_types): vLLM then runs the block non-causally, as trained.
+    out = draft_hf_config(cfg, target_config, ARCHITECTURE, cfg.num_layers)
+    out["dflash_config"] = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        # DFlash's block counts the anchor; vLLM ignores it (num_speculative_tokens sets the block)
+        "block_size": cfg.block_size + 1,
+    }
     return out
 
 
@@ -318,60 +280,26 @@ def save_hf_dir(
 
     Deterministic bytes for one set of weights, so a fingerprint of the directory is stable.
     """
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    tensors = {
-        name: t.detach().to(torch.float32).contiguous().cpu()
-        for name, t in drafter.state_dict().items()
-        if name not in SHARED
-    }
-    want = expected_keys(cfg)
-    if set(tensors) != want:
-        raise AssertionError(f"DFlash drafter keys {sorted(set(tensors) ^ want)} differ from what vLLM loads")
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    if size > max_bytes:
-        raise ValueError(f"DFlash drafter is {size / 1e6:.2f} MB in float32; the limit is {max_bytes / 1e6:.2f} MB")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = hf_config(cfg, target_config)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), {"format": "pt"})
-    return out_dir
+    tensors, config = shipped_tensors(drafter, SHARED), hf_config(cfg, target_config)
+    return write_hf_dir(Path(out_dir), tensors, expected_keys(cfg), config, "DFlash drafter", max_bytes)
 
 
 def load_hf_dir(
     path: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None
 ) -> tuple[DFlashDrafter, DFlashConfig]:
     """Read a directory `save_hf_dir` wrote; embed and lm_head are the target's (the directory lacks them)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     conf = json.loads((path / "config.json").read_text())
     dflash = conf["dflash_config"]
     cfg = DFlashConfig(
-        hidden_size=conf["hidden_size"],
-        target_hidden_size=conf["target_hidden_size"],
-        intermediate_size=conf["intermediate_size"],
+        **saved_shape(conf),
         num_layers=conf["num_hidden_layers"],
-        num_heads=conf["num_attention_heads"],
-        num_kv_heads=conf["num_key_value_heads"],
-        head_dim=conf["head_dim"],
-        vocab_size=conf["vocab_size"],
         block_size=dflash["block_size"] - 1,
         mask_token_id=dflash["mask_token_id"],
         target_layer_ids=tuple(dflash["target_layer_ids"]),
-        rms_norm_eps=conf["rms_norm_eps"],
-        rope_theta=rope_theta(conf),
     )
-    drafter = DFlashDrafter(cfg)
-    tensors = load_file(str(path / "model.safetensors"))
-    for name, value in (("embed_tokens.weight", embed), ("lm_head.weight", lm_head)):
-        if value is not None:
-            tensors[name] = value
-    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - set(SHARED):
-        raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
-    return drafter.eval().requires_grad_(False), cfg
+    target_tensors = dict(zip(SHARED, (embed, lm_head)))
+    return load_weights(DFlashDrafter(cfg), path, target_tensors), cfg
 
 
 def parameter_count(drafter: DFlashDrafter) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ from torch import nn
 ARCHITECTURE = "Eagle3Qwen3ForCausalLM"
 # The key-prefix vLLM's loader expects for the single decoder layer.
 LAYER = "midlayer"
+
+M = TypeVar("M", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,7 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...] = (1, 2, 3)  # vLLM layer ids: id k = output of decoder layer k-1
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_attention_shape(self.num_heads, self.num_kv_heads, self.head_dim)
         if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids) or min(self.aux_layer_ids, default=0) < 1:
             raise ValueError(f"aux_layer_ids must be distinct ids >= 1, got {self.aux_layer_ids}")
 
@@ -74,19 +73,7 @@ class Eagle3Config:
         n = target["num_hidden_layers"]
         if aux_layer_ids is None:  # low, middle, high (vLLM's own default duplicates ids on small targets)
             aux_layer_ids = (2, n // 2, n - 3) if n >= 8 else (1, n // 2, n - 1)
-        hidden = target["hidden_size"]
-        return cls(
-            hidden_size=hidden,
-            target_hidden_size=hidden,
-            intermediate_size=intermediate_size or target["intermediate_size"],
-            num_heads=target["num_attention_heads"],
-            num_kv_heads=target.get("num_key_value_heads", target["num_attention_heads"]),
-            head_dim=target.get("head_dim") or hidden // target["num_attention_heads"],
-            vocab_size=target["vocab_size"],
-            rms_norm_eps=target.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta(target),
-            aux_layer_ids=tuple(aux_layer_ids),
-        )
+        return cls(**target_shape(target, intermediate_size), aux_layer_ids=tuple(aux_layer_ids))
 
     @property
     def fc_in(self) -> int:
@@ -99,6 +86,49 @@ def rope_theta(config: dict[str, Any]) -> float:
     if params.get("rope_type", "default") != "default":
         raise ValueError(f"only default RoPE is supported, got rope_type {params['rope_type']!r}")
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+# -- what an EAGLE-3 head and a DFlash drafter (heads.dflash) share: shape, config.json, files --
+
+
+def check_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Raise ValueError unless the query heads group evenly over the kv heads and head_dim is even."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+
+
+def target_shape(target: dict[str, Any], intermediate_size: int | None = None) -> dict[str, Any]:
+    """A draft model's widths, attention shape, norm eps and RoPE base for a Qwen3 target config (as
+    config keyword arguments): the target's, MLP width `intermediate_size` if given."""
+    hidden = target["hidden_size"]
+    return {
+        "hidden_size": hidden,
+        "target_hidden_size": hidden,
+        "intermediate_size": intermediate_size or target["intermediate_size"],
+        "num_heads": target["num_attention_heads"],
+        "num_kv_heads": target.get("num_key_value_heads", target["num_attention_heads"]),
+        "head_dim": target.get("head_dim") or hidden // target["num_attention_heads"],
+        "vocab_size": target["vocab_size"],
+        "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope_theta(target),
+    }
+
+
+def saved_shape(conf: dict[str, Any]) -> dict[str, Any]:
+    """The `target_shape` fields read back from a draft directory's config.json."""
+    return {
+        "hidden_size": conf["hidden_size"],
+        "target_hidden_size": conf["target_hidden_size"],
+        "intermediate_size": conf["intermediate_size"],
+        "num_heads": conf["num_attention_heads"],
+        "num_kv_heads": conf["num_key_value_heads"],
+        "head_dim": conf["head_dim"],
+        "vocab_size": conf["vocab_size"],
+        "rms_norm_eps": conf["rms_norm_eps"],
+        "rope_theta": rope_theta(conf),
+    }
 
 
 # -- building blocks --
@@ -356,15 +386,22 @@ def shift(x: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
     return torch.cat([front, x.narrow(dim, 0, x.shape[dim] - n)], dim)
 
 
+def copy_target_weights(model: nn.Module, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor) -> None:
+    """Copy the target's embedding, LM head and final norm into a draft model's own."""
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(lm_head)
+        model.norm.weight.copy_(norm)
+
+
 def init_from_target(head: Eagle3Head, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor) -> None:
     """Embedding (frozen), LM head and final norm copied from the target; fc and the layer stay random."""
-    with torch.no_grad():
-        head.embed_tokens.weight.copy_(embed)
-        head.lm_head.weight.copy_(lm_head)
-        head.norm.weight.copy_(norm)
+    copy_target_weights(head, embed, lm_head, norm)
 
 
 # -- the directory vLLM loads --
+
+SHARED = ("embed_tokens.weight",)  # the target's, never shipped
 
 # Qwen3 fields copied from the target's config (the decoder layer reads them).
 _COPIED = (
@@ -388,11 +425,12 @@ def expected_keys(cfg: Eagle3Config) -> set[str]:
     return {"fc.weight", "norm.weight", "lm_head.weight", *attn, *mlp, *norms}
 
 
-def hf_config(cfg: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any]:
+def draft_hf_config(cfg: Any, target_config: dict[str, Any], architecture: str, num_layers: int) -> dict[str, Any]:
+    """The Qwen3 config.json fields of a draft directory (cfg: an Eagle3Config or a DFlashConfig)."""
     out = {k: target_config[k] for k in _COPIED if k in target_config}
     out.update(
         {
-            "architectures": [ARCHITECTURE],
+            "architectures": [architecture],
             "model_type": "qwen3",
             "dtype": "float32",
             "hidden_size": cfg.hidden_size,
@@ -402,20 +440,66 @@ def hf_config(cfg: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any
             "head_dim": cfg.head_dim,
             "rms_norm_eps": cfg.rms_norm_eps,
             "vocab_size": cfg.vocab_size,
-            "num_hidden_layers": 1,
-            "layer_types": ["full_attention"],
+            "num_hidden_layers": num_layers,
+            "layer_types": ["full_attention"] * num_layers,
             "sliding_window": None,
             "use_sliding_window": False,
             "tie_word_embeddings": False,
             "target_hidden_size": cfg.target_hidden_size,
             "draft_vocab_size": cfg.vocab_size,
-            # vLLM's default for a 4-layer target is (2, 2, 1): a duplicate, and a shape error at run time.
-            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         }
     )
     if "rope_parameters" not in out:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return out
+
+
+def hf_config(cfg: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any]:
+    out = draft_hf_config(cfg, target_config, ARCHITECTURE, num_layers=1)
+    # vLLM's default for a 4-layer target is (2, 2, 1): a duplicate, and a shape error at run time.
+    out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    return out
+
+
+def shipped_tensors(model: nn.Module, shared: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The model's state dict in float32 on the CPU, less the `shared` tensors (vLLM uses the target's)."""
+    return {
+        name: t.detach().to(torch.float32).contiguous().cpu()
+        for name, t in model.state_dict().items()
+        if name not in shared
+    }
+
+
+def write_hf_dir(
+    out_dir: Path, tensors: dict[str, torch.Tensor], want: set[str], config: dict[str, Any], what: str, max_bytes: int
+) -> Path:
+    """Refuse tensors other than `want` or over max_bytes; else write config.json + model.safetensors.
+
+    Deterministic bytes for one set of weights, so a fingerprint of the directory is stable.
+    """
+    from safetensors.torch import save_file
+
+    if set(tensors) != want:
+        raise AssertionError(f"{what} keys {sorted(set(tensors) ^ want)} differ from what vLLM loads")
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if size > max_bytes:
+        raise ValueError(f"{what} is {size / 1e6:.2f} MB in float32; the limit is {max_bytes / 1e6:.2f} MB")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), {"format": "pt"})
+    return out_dir
+
+
+def load_weights(model: M, path: Path, target_tensors: dict[str, torch.Tensor | None]) -> M:
+    """path/model.safetensors plus the target's tensors given into model (only those may be missing); frozen."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors.update({name: value for name, value in target_tensors.items() if value is not None})
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - set(target_tensors):
+        raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
+    return model.eval().requires_grad_(False)
 
 
 def save_hf_dir(
@@ -430,55 +514,20 @@ def save_hf_dir(
     Deterministic bytes for one set of weights, so the plugin's fingerprint
     of the directory is stable.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: t.detach().to(torch.float32).contiguous().cpu()
-        for name, t in head.state_dict().items()
-        if name != "embed_tokens.weight"
-    }
-    want = expected_keys(cfg)
-    if set(tensors) != want:
-        raise AssertionError(f"EAGLE-3 head keys {sorted(set(tensors) ^ want)} differ from what vLLM loads")
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    if size > max_bytes:
-        raise ValueError(f"EAGLE-3 head is {size / 1e6:.2f} MB in float32; the limit is {max_bytes / 1e6:.2f} MB")
     config = hf_config(cfg, target_config)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), {"format": "pt"})
-    return out_dir
+    return write_hf_dir(out_dir, shipped_tensors(head, SHARED), expected_keys(cfg), config, "EAGLE-3 head", max_bytes)
 
 
 def load_hf_dir(path: str | Path, embed: torch.Tensor | None = None) -> tuple[Eagle3Head, Eagle3Config]:
     """Read a directory `save_hf_dir` wrote (embed: the target's embedding, which the directory lacks)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     conf = json.loads((path / "config.json").read_text())
-    cfg = Eagle3Config(
-        hidden_size=conf["hidden_size"],
-        target_hidden_size=conf["target_hidden_size"],
-        intermediate_size=conf["intermediate_size"],
-        num_heads=conf["num_attention_heads"],
-        num_kv_heads=conf["num_key_value_heads"],
-        head_dim=conf["head_dim"],
-        vocab_size=conf["vocab_size"],
-        rms_norm_eps=conf["rms_norm_eps"],
-        rope_theta=rope_theta(conf),
-        aux_layer_ids=tuple(conf["eagle_aux_hidden_state_layer_ids"]),
-    )
-    head = Eagle3Head(cfg)
-    tensors = load_file(str(path / "model.safetensors"))
-    if embed is not None:
-        tensors["embed_tokens.weight"] = embed
-    missing, unexpected = head.load_state_dict(tensors, strict=False)
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
-    return head.eval().requires_grad_(False), cfg
+    cfg = Eagle3Config(**saved_shape(conf), aux_layer_ids=tuple(conf["eagle_aux_hidden_state_layer_ids"]))
+    return load_weights(Eagle3Head(cfg), path, {"embed_tokens.weight": embed}), cfg
 
 
 def parameter_count(head: Eagle3Head) -> int:
     """Shipped parameters (the frozen embedding is the target's)."""
-    return sum(p.numel() for n, p in head.named_parameters() if n != "embed_tokens.weight")
+    return sum(p.numel() for n, p in head.named_parameters() if n not in SHARED)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_adaptive_spec.errors import ConfigError
+from vllm_adaptive_spec.heads.affine import Affine
 from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_module, save_head_file
 
 KIND = "pacer"
@@ -77,6 +78,29 @@ class PacerLayer(nn.Module):
             self.pos.weight[0].zero_()
         for lin in (self.qkv, self.proj, self.up, self.down):
             nn.init.normal_(lin.weight, std=0.02)
+        self._affine: dict[str, Affine] | None = None  # set by freeze() (inference)
+
+    def freeze(self) -> None:
+        """Inference from here on: the linear maps run through heads.affine (far cheaper per call on
+        CPU at a few rows). Uses the weights and device of now: call again after moving or training."""
+        h = self.cfg.hidden_size
+        self._affine = {
+            "qkv": Affine(self.qkv.weight),
+            "kv": Affine(self.qkv.weight[h:]),  # keys and values only (context_kv)
+            "proj": Affine(self.proj.weight),
+            "up": Affine.of(self.up),
+            "down": Affine.of(self.down),
+            "out": Affine.of(self.out),
+        }
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The layer's linear map `name` (qkv, kv, proj, up, down, out) applied to x [..., in]."""
+        if self._affine is not None:
+            return self._affine[name](x)
+        if name == "kv":
+            return F.linear(x, self.qkv.weight[self.cfg.hidden_size :])
+        lin = getattr(self, name)
+        return F.linear(x, lin.weight, lin.bias)
 
     def embed(self, hidden: torch.Tensor, draft_pos: torch.Tensor) -> torch.Tensor:
         """hidden: [..., T, H]; draft_pos: [..., T] long, 0 = context, i = draft token i -> x [..., T, H]."""
@@ -92,17 +116,17 @@ class PacerLayer(nn.Module):
         # Functional calls on the modules' weights: the same maths, without nn.Module call
         # overhead, which dominates this small layer's time at inference.
         normed = F.rms_norm(x, (h,), self.norm_attn.weight, self.cfg.eps)
-        q, k, v = F.linear(normed, self.qkv.weight).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
+        q, k, v = self._linear("qkv", normed).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
         return q, k, v
 
     def _finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
         """Attention of q over k, v under mask [B, Q, T] bool, then MLP and output -> logits [B, Q]."""
         h, eps = self.cfg.hidden_size, self.cfg.eps
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # [B, heads, Q, d]
-        x = x + F.linear(a.transpose(1, 2).reshape(x.shape), self.proj.weight)
-        up = F.linear(F.rms_norm(x, (h,), self.norm_mlp.weight, eps), self.up.weight, self.up.bias)
-        x = x + F.linear(F.silu(up), self.down.weight, self.down.bias)
-        out = F.linear(F.rms_norm(x, (h,), self.norm_out.weight, eps), self.out.weight, self.out.bias)
+        x = x + self._linear("proj", a.transpose(1, 2).reshape(x.shape))
+        up = self._linear("up", F.rms_norm(x, (h,), self.norm_mlp.weight, eps))
+        x = x + self._linear("down", F.silu(up))
+        out = self._linear("out", F.rms_norm(x, (h,), self.norm_out.weight, eps))
         return out.squeeze(-1)
 
     def forward(self, hidden: torch.Tensor, draft_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -120,7 +144,7 @@ class PacerLayer(nn.Module):
         b, t, h = context.shape
         nh = self.cfg.num_heads
         normed = F.rms_norm(context, (h,), self.norm_attn.weight, self.cfg.eps)
-        k, v = F.linear(normed, self.qkv.weight[h:]).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
+        k, v = self._linear("kv", normed).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
         return k, v
 
     def score(

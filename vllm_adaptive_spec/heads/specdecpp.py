@@ -9,6 +9,7 @@ after y_t once 1 - prod_{j<=t} p_j > theta.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from vllm_adaptive_spec.errors import ConfigError
+from vllm_adaptive_spec.heads.affine import Affine
 from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_module, save_head_file
 
 KIND = "specdecpp"
@@ -47,6 +49,25 @@ class SpecDecHead(nn.Module):
         for block in self.blocks:
             x = x + nn.functional.silu(block(x))
         return self.out(x).squeeze(-1)
+
+    def inference(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This forward for inference on the current device and weights (`frozen_logits`)."""
+        return frozen_logits(self)
+
+
+def frozen_logits(head: SpecDecHead) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`head`'s forward for inference on its current device and weights (heads.affine: far cheaper
+    per call on CPU at a few rows): hidden [B, H] float32 -> acceptance logits [B]."""
+    blocks = [Affine.of(block) for block in head.blocks]
+    out = Affine.of(head.out)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden
+        for block in blocks:
+            x = x + nn.functional.silu(block(x))
+        return out(x).squeeze(-1)
+
+    return logits
 
 
 def stop_rule(running: torch.Tensor, p: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:

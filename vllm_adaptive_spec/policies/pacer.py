@@ -55,6 +55,7 @@ class PacerPolicy(StopPolicy):
         context_window: int | None = None,
     ):
         self.layer, self.meta = load_pacer(head, FIELD)  # float32, CPU until the first round
+        self.layer.freeze()  # inference only (heads.affine)
         m = self.meta
         self.block = int(m["block_size"] if block_size is None else block_size)
         self.threshold = float(m["threshold"] if threshold is None else threshold)
@@ -78,6 +79,7 @@ class PacerPolicy(StopPolicy):
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
         if self.layer.out.weight.device != self.device:
             self.layer.to(self.device)
+            self.layer.freeze()  # on the new device
             self._pos_rows = None
         b, h = len(req_ids), self.layer.cfg.hidden_size
         cap = max(cap, 1)

@@ -27,14 +27,17 @@ class SpecDecPPPolicy(StopPolicy):
         self.head, self.meta = load_specdecpp(head, FIELD)  # float32, CPU until the first round
         self.threshold = float(self.meta["recommended_threshold"] if threshold is None else threshold)
         self._running: torch.Tensor | None = None  # [B] prod of p_j over this round's judged drafts
+        self._logits = None  # the head's inference forward on self.device, built at the first round
+        self._logits_of: torch.nn.Module | None = None  # the head _logits was built from
 
     @classmethod
     def check_engine(cls, params: dict, draft_model: str) -> None:
         check_specdecpp(params["head"], draft_model, FIELD)
 
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
-        if self.head.out.weight.device != self.device:
+        if self._logits_of is not self.head or self.head.out.weight.device != self.device:
             self.head.to(self.device)
+            self._logits, self._logits_of = self.head.inference(), self.head
         self._running = torch.ones(len(req_ids), dtype=torch.float32, device=self.device)
         return [cap] * len(req_ids)
 
@@ -44,7 +47,7 @@ class SpecDecPPPolicy(StopPolicy):
         ok = finite_rows(logp)  # [B]
         if t == 0 or hidden is None:
             return StepDecision(keep=ok, stop=~ok)
-        p = torch.sigmoid(self.head(hidden.float()))  # [B] p_{t-1}
+        p = torch.sigmoid(self._logits(hidden.float()))  # [B] p_{t-1}
         self._running, stop = stop_rule(self._running, p, self.threshold)
         keep = ok & ~stop
         return StepDecision(keep=keep, stop=~keep)

@@ -34,11 +34,9 @@ Reads top to bottom:
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +47,21 @@ from vllm_adaptive_spec.heads.dflash import (
     DFlashConfig,
     DFlashDrafter,
     draft_blocks,
-    init_from_target,
     parameter_count,
     save_hf_dir,
 )
-from vllm_adaptive_spec.heads.fileformat import project_commit
 from vllm_adaptive_spec.training import data
-from vllm_adaptive_spec.training.eagle3 import Sequence, accepted_prefix, lr_factor, replay_rounds, target_features
-from vllm_adaptive_spec.training.specdecpp import is_heldout
+from vllm_adaptive_spec.training.eagle3 import (
+    Optimizer,
+    Sequence,
+    Stopwatch,
+    accepted_prefix,
+    check_before_final_norm,
+    featurize_and_fit,
+    pipeline_report,
+    read_target_config,
+    replay_rounds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -215,16 +220,12 @@ def per_position(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def fit(drafter: DFlashDrafter, train: list[Sequence], cfg: TrainConfig, progress: bool = True) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total = cfg.epochs * per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, total, cfg))  # type: ignore[arg-type]
+    optimizer = Optimizer(drafter, len(train), cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     k = cfg.block_size
     agreement: torch.Tensor | None = None  # [K] running top-1 agreement per position
     history = []
-    bar = tqdm(total=total, desc=f"train dflash ({cfg.loss})", disable=not progress)
+    bar = tqdm(total=optimizer.total, desc=f"train dflash ({cfg.loss})", disable=not progress)
     for epoch in range(cfg.epochs):
         drafter.train()
         order = torch.randperm(len(train), generator=gen).tolist()
@@ -239,11 +240,7 @@ def fit(drafter: DFlashDrafter, train: list[Sequence], cfg: TrainConfig, progres
             agreement = batch_agreement if agreement is None else m * agreement + (1 - m) * batch_agreement
             w = position_weights(cfg, valid, out.q, agreement)
             loss = (w * out.ce).sum() / w.sum().clamp_min(1e-8)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
+            optimizer.step(loss)
             flat_valid = valid.flatten(0, -2)
             sums["ce"] += (out.ce.detach().flatten(0, -2) * flat_valid).sum(0)
             sums["hits"] += out.hits.flatten(0, -2).sum(0)
@@ -375,77 +372,32 @@ def train_dflash(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Features, training, evaluation; writes the drafter directory. Returns the report."""
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    target_config = json.loads((Path(target) / "config.json").read_text())
+    watch = Stopwatch()
+    target_config = read_target_config(target)
     drafter_cfg = DFlashConfig.from_target(
         target_config, cfg.block_size, cfg.num_layers, cfg.intermediate_size, cfg.target_layer_ids
     )
-    if max(drafter_cfg.hf_layer_ids) >= target_config["num_hidden_layers"]:
-        raise ValueError(
-            f"target_layer_ids {drafter_cfg.target_layer_ids}: transformers' last hidden state is after the final "
-            f"norm, vLLM's is before; use ids below {target_config['num_hidden_layers'] - 1}"
-        )
-    target_lm = data.load_causal_lm(target)
-    seqs = [
-        target_features(target_lm, r, drafter_cfg.hf_layer_ids)
-        for r in tqdm(responses, desc="target features", disable=not progress)
-    ]
-    held = [is_heldout(r, cfg.val_frac) for r in responses]
-    train = [s for s, h in zip(seqs, held) if not h]
-    heldout = [s for s, h in zip(seqs, held) if h]
-    featured = time.perf_counter()
-
-    drafter = DFlashDrafter(drafter_cfg)
-    init_from_target(
-        drafter,
-        target_lm.model.embed_tokens.weight,
-        target_lm.lm_head.weight,
-        target_lm.model.norm.weight,
+    n = target_config["num_hidden_layers"]
+    reason = f"target_layer_ids {drafter_cfg.target_layer_ids}: transformers' last hidden state is after the final "
+    check_before_final_norm(
+        drafter_cfg.hf_layer_ids, target_config, f"{reason}norm, vLLM's is before; use ids below {n - 1}"
     )
-    del target_lm
-    history = fit(drafter, train, cfg, progress)
-    trained = time.perf_counter()
-
-    drafter.eval().requires_grad_(False)
-    eval_seqs = heldout[: cfg.eval_responses] if cfg.eval_responses else heldout
+    build = partial(DFlashDrafter, drafter_cfg)
+    run = featurize_and_fit(target, responses, drafter_cfg.hf_layer_ids, build, fit, cfg, watch, progress)
+    drafter: DFlashDrafter = run.model
     metrics = {
-        "train": evaluate(drafter, train[: len(eval_seqs)], cfg.block_size),
-        "heldout": evaluate(drafter, eval_seqs, cfg.block_size),
+        "train": evaluate(drafter, run.train[: len(run.evaluated)], cfg.block_size),
+        "heldout": evaluate(drafter, run.evaluated, cfg.block_size),
     }
-    evaluated = time.perf_counter()
+    watch.lap("evaluate")
     save_hf_dir(drafter, drafter_cfg, out, target_config)
-    held_m = metrics["heldout"]
     logger.info(
         "DFlash drafter saved to %s: held-out agreement per position %s; replayed acceptance length %.3f at K=%d",
         out,
-        held_m["agreement_per_position"],
-        held_m["replay_acceptance_length"],
+        metrics["heldout"]["agreement_per_position"],
+        metrics["heldout"]["replay_acceptance_length"],
         cfg.block_size,
     )
-    return {
-        "config": asdict(cfg),
-        "drafter": asdict(drafter_cfg),
-        "target": Path(str(target)).name,
-        "out": str(out),
-        "parameters": parameter_count(drafter),
-        "loss": loss_description(cfg),
-        "data": {
-            **data.summarize(responses),
-            "train_responses": len(train),
-            "heldout_responses": len(heldout),
-            "eval_responses": len(eval_seqs),
-            **(extra_meta or {}),
-        },
-        "history": history,
-        "metrics": metrics,
-        "seconds": {
-            "features": round(featured - started, 1),
-            "train": round(trained - featured, 1),
-            "evaluate": round(evaluated - trained, 1),
-            "total": round(time.perf_counter() - started, 1),
-        },
-        "commit": project_commit(),
-    }
+    data_extra = {"eval_responses": len(run.evaluated), **(extra_meta or {})}
+    model, parameters = ("drafter", drafter_cfg), parameter_count(drafter)
+    return pipeline_report(cfg, model, target, out, parameters, loss_description(cfg), run, data_extra, metrics, watch)

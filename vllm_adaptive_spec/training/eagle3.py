@@ -31,9 +31,11 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +43,8 @@ import torch.nn.functional as F
 from vllm_adaptive_spec.heads.eagle3 import (
     Eagle3Config,
     Eagle3Head,
+    copy_target_weights,
     draft_chains,
-    init_from_target,
     parameter_count,
     save_hf_dir,
 )
@@ -51,6 +53,8 @@ from vllm_adaptive_spec.training import data
 from vllm_adaptive_spec.training.specdecpp import is_heldout
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 @dataclass
@@ -151,18 +155,34 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+class Optimizer:
+    """AdamW over a model's trainable parameters, `lr_factor`'s schedule, clipped gradients (cfg: either
+    trainer's TrainConfig); `total` optimizer steps for `n_train` sequences."""
+
+    def __init__(self, model: torch.nn.Module, n_train: int, cfg: Any) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.total = cfg.epochs * math.ceil(n_train / cfg.batch_size)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda i: lr_factor(i, self.total, cfg))
+        self.grad_clip = cfg.grad_clip
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Backward, clip, one optimizer and schedule step."""
+        self.opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.sched.step()
+
+
 def fit(head: Eagle3Head, train: list[Sequence], cfg: TrainConfig, progress: bool = True) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total = cfg.epochs * per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, total, cfg))
+    optimizer = Optimizer(head, len(train), cfg)
     weights = [cfg.step_decay**s for s in range(cfg.ttt_steps)]
     gen = torch.Generator().manual_seed(cfg.seed)
     history = []
-    bar = tqdm(total=total, desc="train eagle3", disable=not progress)
+    bar = tqdm(total=optimizer.total, desc="train eagle3", disable=not progress)
     for epoch in range(cfg.epochs):
         head.train()
         order = torch.randperm(len(train), generator=gen).tolist()
@@ -173,11 +193,7 @@ def fit(head: Eagle3Head, train: list[Sequence], cfg: TrainConfig, progress: boo
             batch = collate([train[k] for k in order[i : i + cfg.batch_size]])
             losses, hits = ttt_losses(head, batch, cfg.ttt_steps)
             loss = sum(w * x for w, x in zip(weights, losses))
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
+            optimizer.step(loss)
             for s, (x, h) in enumerate(zip(losses, hits)):
                 loss_sum[s] += float(x.detach()) * len(h)
                 hit_sum[s] += int(h.sum())
@@ -269,6 +285,117 @@ def chain_acceptance(head: Eagle3Head, seqs: list[Sequence], cap: int) -> dict[s
     }
 
 
+# -- pipeline steps (training.dflash runs the same ones) --
+
+
+class Stopwatch:
+    """Wall-clock seconds per pipeline phase, as the report's "seconds"."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        """End `phase` now."""
+        now = time.perf_counter()
+        self.phases[phase], self.last = round(now - self.last, 1), now
+
+    def seconds(self) -> dict[str, float]:
+        """Each phase's seconds, then the total so far."""
+        return {**self.phases, "total": round(time.perf_counter() - self.started, 1)}
+
+
+def read_target_config(target: str | Path) -> dict[str, Any]:
+    """The target's config.json as a dict."""
+    return json.loads((Path(target) / "config.json").read_text())
+
+
+def check_before_final_norm(hf_layer_ids: tuple[int, ...], target_config: dict[str, Any], message: str) -> None:
+    """Raise ValueError(message) if an id reaches transformers' last hidden state (after the final norm)."""
+    if max(hf_layer_ids) >= target_config["num_hidden_layers"]:
+        raise ValueError(message)
+
+
+@dataclass
+class Run:
+    """A fitted, frozen draft model and its data: the responses, their train / held-out split, and
+    the held-out part to evaluate."""
+
+    model: Any
+    responses: list[data.Response]
+    train: list[Sequence]
+    heldout: list[Sequence]
+    evaluated: list[Sequence]
+    history: list[dict[str, Any]]
+
+
+def featurize_and_fit(
+    target: str | Path,
+    responses: list[data.Response],
+    layer_ids: tuple[int, ...],
+    build: Callable[[], torch.nn.Module],
+    fit: Callable[..., list[dict[str, Any]]],
+    cfg: Any,
+    watch: Stopwatch,
+    progress: bool = True,
+) -> Run:
+    """Target features of each response, split by `is_heldout`; then build() from the target's embedding,
+    LM head and final norm, `fit(model, train, cfg, progress)`, frozen. cfg: either trainer's TrainConfig."""
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    target_lm = data.load_causal_lm(target)
+    seqs = [
+        target_features(target_lm, r, layer_ids) for r in tqdm(responses, desc="target features", disable=not progress)
+    ]
+    held = [is_heldout(r, cfg.val_frac) for r in responses]
+    train = [s for s, h in zip(seqs, held) if not h]
+    heldout = [s for s, h in zip(seqs, held) if h]
+    watch.lap("features")
+
+    model = build()
+    copy_target_weights(
+        model, target_lm.model.embed_tokens.weight, target_lm.lm_head.weight, target_lm.model.norm.weight
+    )
+    del target_lm
+    history = fit(model, train, cfg, progress)
+    watch.lap("train")
+    model.eval().requires_grad_(False)
+    evaluated = heldout[: cfg.eval_responses] if cfg.eval_responses else heldout
+    return Run(model, responses, train, heldout, evaluated, history)
+
+
+def pipeline_report(
+    cfg: Any,
+    model: tuple[str, Any],
+    target: str | Path,
+    out: str | Path,
+    parameters: int,
+    loss: str,
+    run: Run,
+    data_extra: dict[str, Any],
+    metrics: dict[str, Any],
+    watch: Stopwatch,
+) -> dict[str, Any]:
+    """A trainer's report; model: its key for the trained model's config, and that config."""
+    key, model_cfg = model
+    split = {"train_responses": len(run.train), "heldout_responses": len(run.heldout)}
+    summary = {**data.summarize(run.responses), **split, **data_extra}
+    return {
+        "config": asdict(cfg),
+        key: asdict(model_cfg),
+        "target": Path(str(target)).name,
+        "out": str(out),
+        "parameters": parameters,
+        "loss": loss,
+        "data": summary,
+        "history": run.history,
+        "metrics": metrics,
+        "seconds": watch.seconds(),
+        "commit": project_commit(),
+    }
+
+
 # -- the pipeline --
 
 
@@ -281,76 +408,30 @@ def train_eagle3(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Features, training, evaluation; writes the head directory. Returns the report."""
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    target_config = json.loads((Path(target) / "config.json").read_text())
+    watch = Stopwatch()
+    target_config = read_target_config(target)
     head_cfg = Eagle3Config.from_target(target_config, cfg.aux_layer_ids, cfg.intermediate_size)
-    if max(head_cfg.aux_layer_ids) >= target_config["num_hidden_layers"]:
-        raise ValueError(
-            f"aux_layer_ids {head_cfg.aux_layer_ids}: HF's last hidden state is after the final norm; "
-            f"use ids below {target_config['num_hidden_layers']}"
-        )
-    target_lm = data.load_causal_lm(target)
-    seqs = [
-        target_features(target_lm, r, head_cfg.aux_layer_ids)
-        for r in tqdm(responses, desc="target features", disable=not progress)
-    ]
-    held = [is_heldout(r, cfg.val_frac) for r in responses]
-    train = [s for s, h in zip(seqs, held) if not h]
-    heldout = [s for s, h in zip(seqs, held) if h]
-    featured = time.perf_counter()
-
-    head = Eagle3Head(head_cfg)
-    init_from_target(
-        head,
-        target_lm.model.embed_tokens.weight,
-        target_lm.lm_head.weight,
-        target_lm.model.norm.weight,
-    )
-    del target_lm
-    history = fit(head, train, cfg, progress)
-    trained = time.perf_counter()
-
-    head.eval().requires_grad_(False)
-    chain_seqs = heldout[: cfg.eval_responses] if cfg.eval_responses else heldout
+    n = target_config["num_hidden_layers"]
+    reason = f"aux_layer_ids {head_cfg.aux_layer_ids}: HF's last hidden state is after the final norm; "
+    check_before_final_norm(head_cfg.aux_layer_ids, target_config, f"{reason}use ids below {n}")
+    build = partial(Eagle3Head, head_cfg)
+    run = featurize_and_fit(target, responses, head_cfg.aux_layer_ids, build, fit, cfg, watch, progress)
+    head: Eagle3Head = run.model
     metrics = {
-        "train": step_agreement(head, train[: len(heldout)], cfg.ttt_steps),
-        "heldout": step_agreement(head, heldout, cfg.ttt_steps),
-        "heldout_chains": chain_acceptance(head, chain_seqs, cfg.cap),
+        "train": step_agreement(head, run.train[: len(run.heldout)], cfg.ttt_steps),
+        "heldout": step_agreement(head, run.heldout, cfg.ttt_steps),
+        "heldout_chains": chain_acceptance(head, run.evaluated, cfg.cap),
     }
-    evaluated = time.perf_counter()
+    watch.lap("evaluate")
     save_hf_dir(head, head_cfg, out, target_config)
-    chains = metrics["heldout_chains"]
     logger.info(
         "EAGLE-3 head saved to %s: held-out agreement per step %s; replayed acceptance length %.3f at K=%d",
         out,
         metrics["heldout"]["agreement_per_step"],
-        chains["replay_acceptance_length"],
+        metrics["heldout_chains"]["replay_acceptance_length"],
         cfg.cap,
     )
-    return {
-        "config": asdict(cfg),
-        "head": asdict(head_cfg),
-        "target": Path(str(target)).name,
-        "out": str(out),
-        "parameters": parameter_count(head),
-        "loss": f"sum over steps s of {cfg.step_decay}**s x token cross-entropy against x_(p+2)",
-        "data": {
-            **data.summarize(responses),
-            "train_responses": len(train),
-            "heldout_responses": len(heldout),
-            "chain_eval_responses": len(chain_seqs),
-            **(extra_meta or {}),
-        },
-        "history": history,
-        "metrics": metrics,
-        "seconds": {
-            "features": round(featured - started, 1),
-            "train": round(trained - featured, 1),
-            "evaluate": round(evaluated - trained, 1),
-            "total": round(time.perf_counter() - started, 1),
-        },
-        "commit": project_commit(),
-    }
+    loss = f"sum over steps s of {cfg.step_decay}**s x token cross-entropy against x_(p+2)"
+    data_extra = {"chain_eval_responses": len(run.evaluated), **(extra_meta or {})}
+    model, parameters = ("head", head_cfg), parameter_count(head)
+    return pipeline_report(cfg, model, target, out, parameters, loss, run, data_extra, metrics, watch)
