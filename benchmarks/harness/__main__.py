@@ -215,6 +215,10 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
         plan.oracle_ks = (block,)
         plan.configs[:] = [replace(c, k=block) if c.kind == "plugin" and c.k == CAP else c for c in plan.configs]
         plan.notes.append(f"dflash: the oracle cuts each round's block of {block} at its accepted prefix")
+        plan.notes.append(
+            "dflash: S charges one draft forward per target pass, whatever the block length (the block is"
+            " drawn in one forward: a cut saves verification, not draft time); no c is measured"
+        )
     plan.notes.append(f"drafter {args.drafter}: every configuration runs on it; left out {dropped}")
     return f"_{args.drafter}"
 

@@ -39,6 +39,14 @@ def drawn(row: dict[str, Any]) -> float:
     return max(row.get("n_drawn") or 0, row["n_draft"])
 
 
+def draft_units(row: dict[str, Any], method: str) -> float:
+    """Draft forwards charged to the row, in units of t_D. A chain drafter (draft_model, eagle3) runs one
+    forward per drawn token; a DFlash drafter draws its whole block in one forward after every target
+    pass, so a cut block saves verification, never draft time: N_T forwards whatever the block length
+    (an upper bound by at most one per request: a request's last pass drafts nothing)."""
+    return float(row["n_target"]) if method == "dflash" and drawn(row) > 0 else drawn(row)
+
+
 def derive(row: dict[str, Any]) -> dict[str, Any]:
     """Exact counts -> tau, discard and verification rates, draft tokens per generated token."""
     n_gen, n_t, n_acc, n_d = row["n_gen"], row["n_target"], row["n_accepted"], row["n_draft"]
@@ -79,6 +87,9 @@ def cost_ratios(results: list[dict]) -> dict[str, dict]:
     """Per timed greedy cell key: t_T, t_D, c (see module docstring), from the primary drafter's rows."""
     per_key: dict[str, dict] = {}
     primary = primary_method(results)
+    if primary == "dflash":
+        # a DFlash block costs one forward whatever K: the slope over K is not t_D. No c is measured.
+        return {}
     for res in results:
         cfg = res["config"]
         if _method(cfg) != primary:
@@ -118,11 +129,12 @@ def _c_for(cell: dict, ratios: dict[str, dict]) -> dict | None:
     return ratios[min(same)[1]] if same else None
 
 
-def _charged_speedup(row: dict, c: float, f: float) -> float:
-    """S(c) charging the policy f draft steps' worth of time per drafted token: o = f (N_D/N_gen) / c,
+def _charged_speedup(row: dict, c: float, f: float, method: str = "draft_model") -> float:
+    """S(c) charging the policy f draft steps' worth of time per draft forward: o = f (forwards/N_gen) / c,
     in target steps (a draft step is 1/c of one)."""
-    o = f * drawn(row) / row["n_gen"] / c if row["n_gen"] else 0.0
-    return modeled_speedup(row["n_gen"], row["n_target"], drawn(row), c, o)
+    units = draft_units(row, method)
+    o = f * units / row["n_gen"] / c if row["n_gen"] else 0.0
+    return modeled_speedup(row["n_gen"], row["n_target"], units, c, o)
 
 
 def tabulate(results: list[dict]) -> dict[str, Any]:
@@ -169,20 +181,22 @@ def tabulate(results: list[dict]) -> dict[str, Any]:
                     "policy_us_per_draft_step": 1e6 * timing["policy_s"] / timing["decides"]
                     if timing.get("decides")
                     else None,
-                    "S_measured_c": _charged_speedup(row, c["c"], f) if c else None,
-                    "S_c4": _charged_speedup(row, C_PAPER, f),
+                    "S_measured_c": _charged_speedup(row, c["c"], f, _method(cfg)) if c else None,
+                    "S_c4": _charged_speedup(row, C_PAPER, f, _method(cfg)),
                 }
             )
     oracle = []
     for res in results:
+        units_of = _method(res["config"])
         for r in res.get("replay", []):
             r = derive(r)
             c = _c_for(r["cell"], ratios)
+            units = draft_units(r, units_of)
             oracle.append(
                 r
                 | {
-                    "S_measured_c": modeled_speedup(r["n_gen"], r["n_target"], drawn(r), c["c"]) if c else None,
-                    "S_c4": modeled_speedup(r["n_gen"], r["n_target"], drawn(r), C_PAPER),
+                    "S_measured_c": modeled_speedup(r["n_gen"], r["n_target"], units, c["c"]) if c else None,
+                    "S_c4": modeled_speedup(r["n_gen"], r["n_target"], units, C_PAPER),
                 }
             )
     drift = next((res["drift"] for res in results if res["config"]["kind"] == "nospec" and "drift" in res), {})

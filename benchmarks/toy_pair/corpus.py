@@ -32,9 +32,13 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def bucket(rel: str) -> int:
+    """A module's fixed bucket in 0..HELDOUT_BUCKETS-1 (bucket 0 is held out)."""
+    return hashlib.sha256(rel.encode()).digest()[0] % HELDOUT_BUCKETS
+
+
 def is_heldout(rel: str) -> bool:
-    digest = hashlib.sha256(rel.encode()).digest()
-    return digest[0] % HELDOUT_BUCKETS == 0
+    return bucket(rel) == 0
 
 
 def list_sources(root: Path | None = None) -> list[SourceFile]:

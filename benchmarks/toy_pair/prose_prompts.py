@@ -2,6 +2,12 @@
 
     .venv/bin/python -m benchmarks.toy_pair.prose_prompts          # writes benchmarks/prompts/prose_heldout.jsonl
     .venv/bin/python -m benchmarks.toy_pair.prose_prompts --stats  # counts only, writes nothing
+    .venv/bin/python -m benchmarks.toy_pair.prose_prompts --split train  # benchmarks/prompts/prose_train.jsonl
+
+`--split train` cuts the same kinds of prompts from one bucket of the
+corpus's training split instead (modules the toy pair trained on, none of the
+held-out ones): prompts to tune thresholds on (`vllm-adaptive-spec tune`),
+never the ones a benchmark reports.
 
 A second workload next to `code_heldout.jsonl` (whose prompts end after a
 docstring, so the model writes code). Here every prompt ends inside prose,
@@ -205,7 +211,7 @@ def comment_candidates(f: corpus.SourceFile, tree: ast.Module, lines: list[str],
     return found
 
 
-def build(n: int = N_PROMPTS, seed: int = SEED) -> tuple[list[dict], dict]:
+def build(n: int = N_PROMPTS, seed: int = SEED, split: str = "heldout") -> tuple[list[dict], dict]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))  # its post-processor adds BOS
@@ -213,9 +219,10 @@ def build(n: int = N_PROMPTS, seed: int = SEED) -> tuple[list[dict], dict]:
     def count_tokens(text: str) -> int:
         return len(tok.encode(text).ids)
 
-    _, heldout = corpus.split_sources(corpus.list_sources())
+    train, heldout = corpus.split_sources(corpus.list_sources())
     docs, comments = [], []
-    for f in heldout:
+    # train: one training bucket, the held-out split's size (cutting the whole training split takes an hour)
+    for f in heldout if split == "heldout" else [f for f in train if corpus.bucket(f.rel) == 1]:
         try:
             tree = ast.parse(f.text)
         except SyntaxError:
@@ -263,12 +270,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=N_PROMPTS)
     ap.add_argument("--seed", type=int, default=SEED)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--split", choices=("heldout", "train"), default="heldout", help="the corpus split to cut from")
+    ap.add_argument("--out", type=Path, help=f"default {OUT.name}, or prose_train.jsonl with --split train")
     ap.add_argument("--stats", action="store_true", help="print counts, write nothing")
     args = ap.parse_args()
-    rows, stats = build(args.n, args.seed)
+    args.out = args.out or OUT.with_name(f"prose_{args.split}.jsonl")
+    rows, stats = build(args.n, args.seed, args.split)
     print(stats)
-    if len(rows) < args.n:
+    if len(rows) < args.n and args.split == "heldout":  # tuning takes what one training bucket gives
         raise SystemExit(f"only {len(rows)} prose prompts found, wanted {args.n}")
     if not args.stats:
         corpus.write_jsonl(rows, args.out)

@@ -74,6 +74,23 @@ def test_tabulate_speedups_and_lossless():
     assert orc["S_c4"] == pytest.approx(1 / (6 / 16 + 10 / 16 / 4))
 
 
+def test_dflash_is_charged_one_draft_forward_per_target_pass():
+    """A DFlash block is drawn in one forward: its rows pay N_T draft forwards whatever the block length
+    (cutting the block saves verification only), no speculation pays none, and no c is fit over K."""
+    results = [
+        {**res, "config": res["config"] | {"method": "dflash"}}
+        for res in _results()
+    ]
+    table = report.tabulate(results)
+    assert table["cost_ratios"] == {}
+    rows = {(r["config"], r["cell"]["key"]): r for r in table["rows"]}
+    k4 = rows[("vLLM K=4", "count/code_heldout/b8/t0")]  # N_gen 16, N_T 8, N_D 32
+    assert k4["S_c4"] == pytest.approx(1 / (8 / 16 + 8 / 16 / 4))
+    assert rows[("no speculation", "count/code_heldout/b8/t0")]["S_c4"] == pytest.approx(1.0)
+    (orc,) = table["replay"]
+    assert orc["S_c4"] == pytest.approx(1 / (6 / 16 + 6 / 16 / 4))
+
+
 def test_report_and_plots_are_written(tmp_path):
     table = report.write(_results(), {"summary": "test machine"}, tmp_path, "t")
     md = (tmp_path / "report.md").read_text()

@@ -76,6 +76,20 @@ def test_affine_keeps_leading_dims():
         torch.testing.assert_close(Affine(lin.weight)(x), x @ lin.weight.T)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_norm_affine_equals_rms_norm_then_linear(bias):
+    """NormAffine folds the RMSNorm's weight into the matrix and scales rows after the product."""
+    from vllm_adaptive_spec.heads.affine import NormAffine
+
+    torch.manual_seed(0)
+    lin, w = torch.nn.Linear(16, 5, bias=bias), torch.rand(16) + 0.5
+    x = torch.randn(3, 2, 16) * 3
+    x[0, 0] = 0.0  # an all-zero row: the eps floor, as in RMSNorm
+    with torch.no_grad():
+        want = lin(torch.nn.functional.rms_norm(x, (16,), w, 1e-6))
+        torch.testing.assert_close(NormAffine(w, 1e-6, lin.weight, lin.bias)(x), want, rtol=1e-5, atol=1e-6)
+
+
 def test_blocks_have_their_own_weights():
     head = SpecDecHead(SpecDecHeadConfig(H, depth=3))
     weights = [b.weight for b in head.blocks]

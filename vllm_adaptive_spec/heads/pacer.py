@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_adaptive_spec.errors import ConfigError
-from vllm_adaptive_spec.heads.affine import Affine
+from vllm_adaptive_spec.heads.affine import Affine, NormAffine
 from vllm_adaptive_spec.heads.fileformat import check_draft, load_head_module, save_head_file
 
 KIND = "pacer"
@@ -83,20 +83,25 @@ class PacerLayer(nn.Module):
     def freeze(self) -> None:
         """Inference from here on: the linear maps run through heads.affine (far cheaper per call on
         CPU at a few rows). Uses the weights and device of now: call again after moving or training."""
-        h = self.cfg.hidden_size
-        self._affine = {
-            "qkv": Affine(self.qkv.weight),
-            "kv": Affine(self.qkv.weight[h:]),  # keys and values only (context_kv)
+        h, eps = self.cfg.hidden_size, self.cfg.eps
+        self._affine = {  # the maps behind a norm take it in (NormAffine)
+            "qkv": NormAffine(self.norm_attn.weight, eps, self.qkv.weight),
+            "kv": NormAffine(self.norm_attn.weight, eps, self.qkv.weight[h:]),  # keys, values (context_kv)
             "proj": Affine(self.proj.weight),
-            "up": Affine.of(self.up),
+            "up": NormAffine(self.norm_mlp.weight, eps, self.up.weight, self.up.bias),
             "down": Affine.of(self.down),
-            "out": Affine.of(self.out),
+            "out": NormAffine(self.norm_out.weight, eps, self.out.weight, self.out.bias),
         }
 
+    _NORM_OF = {"qkv": "norm_attn", "kv": "norm_attn", "up": "norm_mlp", "out": "norm_out"}
+
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """The layer's linear map `name` (qkv, kv, proj, up, down, out) applied to x [..., in]."""
+        """The layer's linear map `name` (qkv, kv, proj, up, down, out) applied to x [..., in], after
+        its RMSNorm for the maps that have one (qkv, kv: norm_attn; up: norm_mlp; out: norm_out)."""
         if self._affine is not None:
             return self._affine[name](x)
+        if name in self._NORM_OF:
+            x = F.rms_norm(x, (x.shape[-1],), getattr(self, self._NORM_OF[name]).weight, self.cfg.eps)
         if name == "kv":
             return F.linear(x, self.qkv.weight[self.cfg.hidden_size :])
         lin = getattr(self, name)
@@ -115,19 +120,15 @@ class PacerLayer(nn.Module):
         nh = self.cfg.num_heads
         # Functional calls on the modules' weights: the same maths, without nn.Module call
         # overhead, which dominates this small layer's time at inference.
-        normed = F.rms_norm(x, (h,), self.norm_attn.weight, self.cfg.eps)
-        q, k, v = self._linear("qkv", normed).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
+        q, k, v = self._linear("qkv", x).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
         return q, k, v
 
     def _finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
         """Attention of q over k, v under mask [B, Q, T] bool, then MLP and output -> logits [B, Q]."""
-        h, eps = self.cfg.hidden_size, self.cfg.eps
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # [B, heads, Q, d]
         x = x + self._linear("proj", a.transpose(1, 2).reshape(x.shape))
-        up = self._linear("up", F.rms_norm(x, (h,), self.norm_mlp.weight, eps))
-        x = x + self._linear("down", F.silu(up))
-        out = self._linear("out", F.rms_norm(x, (h,), self.norm_out.weight, eps))
-        return out.squeeze(-1)
+        x = x + self._linear("down", F.silu(self._linear("up", x)))
+        return self._linear("out", x).squeeze(-1)
 
     def forward(self, hidden: torch.Tensor, draft_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Packed sequences (training). hidden: [B, T, H]; draft_pos: [B, T]; mask: [B, T, T] bool
@@ -143,8 +144,7 @@ class PacerLayer(nn.Module):
         its query is never needed (context rows carry no output), so only W_k, W_v are applied."""
         b, t, h = context.shape
         nh = self.cfg.num_heads
-        normed = F.rms_norm(context, (h,), self.norm_attn.weight, self.cfg.eps)
-        k, v = self._linear("kv", normed).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
+        k, v = self._linear("kv", context).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
         return k, v
 
     def score(
