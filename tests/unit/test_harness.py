@@ -77,10 +77,7 @@ def test_tabulate_speedups_and_lossless():
 def test_dflash_is_charged_one_draft_forward_per_target_pass():
     """A DFlash block is drawn in one forward: its rows pay N_T draft forwards whatever the block length
     (cutting the block saves verification only), no speculation pays none, and no c is fit over K."""
-    results = [
-        {**res, "config": res["config"] | {"method": "dflash"}}
-        for res in _results()
-    ]
+    results = [{**res, "config": res["config"] | {"method": "dflash"}} for res in _results()]
     table = report.tabulate(results)
     assert table["cost_ratios"] == {}
     rows = {(r["config"], r["cell"]["key"]): r for r in table["rows"]}
