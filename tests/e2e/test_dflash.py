@@ -35,17 +35,35 @@ def test_greedy_output_equals_no_speculation(dflash_llm, prompts, reference_toke
     assert m.accepted > m.drafts, "the drafter gets blocks accepted (mean acceptance length above 2)"
 
 
+def _weights_computed_with(model) -> dict:
+    """name -> tensor of every parameter; where vLLM's CPU backend packed a linear layer's weight for
+    its own GEMM kernel and left the parameter empty (`dispatch_cpu_unquantized_gemm`, which does so on
+    CPUs with AVX-512 BF16), the weight that kernel computes with instead: the layer's product with the
+    identity, I @ W^T (exact: one non-zero term per output)."""
+    import torch
+
+    out = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.numel() or not hasattr(module, "cpu_linear"):
+            continue
+        eye = torch.eye(
+            getattr(module, "input_size_per_partition", module.input_size), dtype=weight.dtype, device=weight.device
+        )
+        out[f"{name}.weight"] = module.cpu_linear(eye, weight, None).t().cpu().contiguous()  # [N, K]
+    return out
+
+
 def _draft_state(worker) -> dict:
-    """In the worker: the drafter's tensors, whether embedding and LM head are the target's, causality."""
+    """In the worker: the drafter's tensors (as its kernels use them), whether embedding and LM head
+    are the target's, causality."""
     runner = worker.model_runner
     draft = runner.drafter.model
     target = runner.model
     skip = ("embed_tokens", "lm_head", "mask_embedding")
     return {
         "tensors": {
-            n: p.detach().cpu().clone()
-            for n, p in draft.named_parameters()
-            if not n.removeprefix("model.").startswith(skip)
+            n: t for n, t in _weights_computed_with(draft).items() if not n.removeprefix("model.").startswith(skip)
         },
         "shared_embedding": draft.model.embed_tokens is target.model.embed_tokens,
         "shared_lm_head": draft.lm_head is target.lm_head,
