@@ -33,7 +33,7 @@ def best_row(alphas, chains, cfg: TrainConfig, block: int, growth: float, rule: 
     rows = [
         replay_row(
             {"block_size": block, "threshold": t, "growth": growth, "halting": rule},
-            replay_counts(alphas, chains, cfg.cap, block, t, growth, rule),
+            replay_counts(alphas, chains, cfg.cap, block, t, growth, rule)[0],
             cfg.cost_ratio,
         )
         for t in cfg.thresholds

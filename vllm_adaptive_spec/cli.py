@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "replay_responses",
     ):
         pc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
-    for name in ("lr", "weight_decay", "val_frac", "cost_ratio"):
+    for name in ("lr", "weight_decay", "val_frac", "cost_ratio", "layer_cost"):
         pc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     pc.set_defaults(run=_train_pacer)
     e3 = train.add_parser("eagle3", help="EAGLE-3 draft head (a vLLM eagle3 model directory)")

@@ -23,7 +23,7 @@ from vllm_adaptive_spec.heads.pacer import (
     stop_lengths,
 )
 from vllm_adaptive_spec.policies.pacer import PacerPolicy
-from vllm_adaptive_spec.training.pacer import Chains, TrainConfig, collate, pack, replay_counts
+from vllm_adaptive_spec.training.pacer import Chains, TrainConfig, collate, pack, replay_counts, replay_row_charged
 
 H = 8
 FIELD = "adaptive_spec.head"
@@ -250,9 +250,26 @@ def test_pack_and_collate_shapes():
 def test_replay_counts_follow_the_rounds():
     ch = fake_chains()  # runs 2, 0, 4, 1, 0 at response positions 0..4
     alpha = torch.full((5, 4), 0.9)  # never stops: rounds capped by k and the response end
-    counts = replay_counts([alpha], [ch], k=4, block=2, threshold=0.5, growth=1.0, rule="mean")
+    counts, calls = replay_counts([alpha], [ch], k=4, block=2, threshold=0.5, growth=1.0, rule="mean")
     # prefill emits token 0 -> j=1: limit 3, length 3, accepts 0 -> j=2: limit 2, accepts 2 -> j=5 done.
     assert counts.n_target == 3 and counts.n_draft == 5 and counts.n_gen == 5
+    # the rule never halts: nothing drawn past the limits; the layer judged drafts 1-2 in the first round
+    # (at step 2 of 0..2), nothing in the second (steps 0..1)
+    assert counts.n_drawn == 5 and calls == 1
+
+
+def test_replay_charges_the_dropped_draft_and_each_layer_call():
+    ch = fake_chains()  # runs 2, 0, 4, 1, 0 at response positions 0..4
+    alpha = torch.full((5, 4), 0.1)  # halts at the first judged block: length 2, the third draft drawn and dropped
+    counts, calls = replay_counts([alpha], [ch], k=4, block=2, threshold=0.5, growth=1.0, rule="mean")
+    # j=1: limit 3, halts at length 2 (3 drawn, 1 call), accepts 0 -> j=2: limit 2, runs to it (2 drawn,
+    # no call: step 2 never runs), accepts 2 -> done
+    assert (counts.n_target, counts.n_draft, counts.n_drawn, calls) == (3, 4, 5, 1)
+    free = replay_row_charged({}, counts, calls, TrainConfig(cost_ratio=4.0))
+    charged = replay_row_charged({}, counts, calls, TrainConfig(cost_ratio=4.0, layer_cost=0.5))
+    # S = 1 / (N_T/N_gen + (N_drawn + calls * layer_cost) / (c N_gen))
+    assert free["speedup"] == round(1 / (3 / 5 + 5 / 20), 4)
+    assert charged["speedup"] == round(1 / (3 / 5 + 5.5 / 20), 4) and charged["layer_calls_per_token"] == 0.2
 
 
 # -- the policy --

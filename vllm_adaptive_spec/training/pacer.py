@@ -63,6 +63,9 @@ class TrainConfig:
     seed: int = 0
     cap: int = 16  # K for the replay
     cost_ratio: float = 4.0  # c for the replay
+    # one call of the layer, in draft steps of the drafter at batch 1, charged in the replay's S (measured:
+    # benchmarks.policy_cost); 0 charges nothing and picks on counts alone
+    layer_cost: float = 0.0
     replay_responses: int = 60
     block_sizes: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
     thresholds: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(6, 19))
@@ -259,14 +262,19 @@ def fit(chains: list[Chains], cfg: TrainConfig, progress: bool = True) -> tuple[
 
 def replay_counts(
     alphas: list[torch.Tensor], chains: list[Chains], k: int, block: int, threshold: float, growth: float, rule: str
-) -> SpecCounts:
-    """Greedy speculative decoding of each held-out response with the blockwise rule.
+) -> tuple[SpecCounts, int]:
+    """Greedy speculative decoding of each held-out response with the blockwise rule: the counts
+    (N_drawn included) and the number of layer calls.
 
     Chains must start at every response position. The round at j drafts chain j;
     its length is the rule's on alpha[j, :limit], its accepted count the chain's
-    agreeing run (capped by the length).
+    agreeing run (capped by the length). As in the policy, the block of drafts t-b+1..t
+    is judged at draft step t (0-based), after y_t was drawn: a round that halts at
+    length t drew t + 1 drafts and called the layer t / b times; one that runs to its
+    limit L drew L and called it floor((L - 1) / b) times.
     """
     total = SpecCounts(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
+    calls = 0
     for alpha, ch in zip(alphas, chains):
         n = ch.label.shape[0]
         runs = ch.label.sum(-1).long().tolist()  # [R] agreeing run of each chain
@@ -278,20 +286,33 @@ def replay_counts(
         while i < n:
             limit = min(k, n - 1 - i)  # never past the response's end (vLLM: max_tokens)
             length = min(lengths[i], limit)
+            halted = lengths[i] < limit  # the rule fired before the round's limit (lengths == k: it never fired)
             acc = min(length, runs[i])
             total.record_step(length, acc)
+            total.n_drawn += length + halted
+            calls += length // block if halted else (length - 1) // block if length else 0
             i += acc + 1
-    return total
+    return total, calls
+
+
+def replay_row_charged(key: dict, counts: SpecCounts, calls: int, cfg: TrainConfig) -> dict:
+    """`replay_row` with the layer's calls charged at cfg.layer_cost draft steps each."""
+    row = replay_row(key, counts, cfg.cost_ratio)
+    overhead = calls * cfg.layer_cost / (cfg.cost_ratio * counts.n_gen)  # in target steps per generated token
+    return row | {
+        "layer_calls_per_token": round(calls / counts.n_gen, 4),
+        "speedup": round(counts.modeled_speedup(cfg.cost_ratio, overhead), 4),
+    }
 
 
 def replay_grid(alphas: list[torch.Tensor], chains: list[Chains], cfg: TrainConfig) -> dict[str, Any]:
     """Every (block, threshold, growth) under cfg.halting, beside fixed K and the oracle."""
     c = cfg.cost_ratio
     rows = [
-        replay_row(
+        replay_row_charged(
             {"block_size": b, "threshold": t, "growth": g},
-            replay_counts(alphas, chains, cfg.cap, b, t, g, cfg.halting),
-            c,
+            *replay_counts(alphas, chains, cfg.cap, b, t, g, cfg.halting),
+            cfg,
         )
         for b, t, g in itertools.product(cfg.block_sizes, cfg.thresholds, cfg.growths)
     ]
@@ -304,8 +325,12 @@ def replay_grid(alphas: list[torch.Tensor], chains: list[Chains], cfg: TrainConf
         "responses": len(chains),
         "cap": cfg.cap,
         "cost_ratio": c,
+        "layer_cost": cfg.layer_cost,
         "halting": cfg.halting,
-        "note": "fixed-K and oracle rows count drafts past a response's end; the Pacer rows do not",
+        "note": (
+            "fixed-K and oracle rows count drafts past a response's end; the Pacer rows do not, and charge"
+            " N_drawn (a halted round drew the draft it dropped) and layer_cost per layer call"
+        ),
         "best": best,
         "paper_defaults": paper,
         "best_fixed_k": max(fixed, key=lambda r: r["speedup"]),
@@ -377,7 +402,8 @@ def train_on_chains(
     best = replay.get("best") or {"block_size": 4, "threshold": 0.7, "growth": 1.05}
     choice = (
         f"maximise modeled speedup S(c={cfg.cost_ratio}) at cap K={cfg.cap} in an exact greedy replay of "
-        f"{len(replay_chains)} held-out responses ({cfg.halting} halting)"
+        f"{len(replay_chains)} held-out responses ({cfg.halting} halting; each layer call charged "
+        f"{cfg.layer_cost} draft steps)"
         if replay_chains
         else "the paper's defaults: no held-out greedy responses to replay"
     )
