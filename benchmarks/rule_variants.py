@@ -31,12 +31,16 @@ from pathlib import Path
 import torch
 
 from benchmarks.paths import EAGLE3_HEAD, TARGET
-from vllm_adaptive_spec.heads.eagle3 import load_hf_dir
-from vllm_adaptive_spec.metrics import replay_row
 from vllm_adaptive_spec.training import data
-from vllm_adaptive_spec.training.specdecpp import is_heldout
-from vllm_adaptive_spec.training.specdecpp_eagle3 import replay_lengths, response_chains
-from vllm_adaptive_spec.training.tune import SVIP_ENTROPY_SCALE, ChainFeatures, chain_features, stop_lengths
+from vllm_adaptive_spec.training.tune import (
+    SVIP_ENTROPY_SCALE,
+    ChainFeatures,
+    TuneConfig,
+    baselines,
+    heldout_features,
+    replay_rule,
+    stop_lengths,
+)
 
 CAP = 16
 Rule = Callable[[ChainFeatures, tuple], torch.Tensor]  # (features, setting) -> stop after step t [C, K]
@@ -75,26 +79,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    target = data.load_causal_lm(TARGET)
-    head, cfg = load_hf_dir(EAGLE3_HEAD, target.get_input_embeddings().weight)
-    head.eval()
-    held = [
-        r
-        for r in data.load_responses(args.responses)
-        if r.mode == "greedy" and len(r.response_ids) > 2 and is_heldout(r, args.val_frac)
-    ][: args.replay_responses]
-    feats = [chain_features(head, *response_chains(head, target, r, CAP, cfg.aux_layer_ids)) for r in held]
-    runs = [f.runs for f in feats]
-
-    def row(key: dict, lengths: list[torch.Tensor]) -> dict:
-        return replay_row(key, replay_lengths(runs, lengths, CAP), args.cost_ratio)
-
-    fixed = max((row({"fixed_k": k}, [torch.full_like(r, k) for r in runs]) for k in range(1, CAP + 1)),
-                key=lambda r: r["speedup"])  # fmt: skip
-    oracle = row({"oracle": CAP}, [r.clamp_max(CAP) for r in runs])
+    cfg = TuneConfig(
+        cap=CAP, cost_ratio=args.cost_ratio, val_frac=args.val_frac, replay_responses=args.replay_responses
+    )
+    feats, held = heldout_features(TARGET, EAGLE3_HEAD, data.load_responses(args.responses), cfg)
+    base = baselines(feats, cfg)
+    fixed, oracle = base["best_fixed"], base["oracle"]
     best = {}
     for name, (rule, grid) in RULES.items():
-        rows = [row({"setting": list(s)}, [stop_lengths(rule(f, s)) for f in feats]) for s in grid]
+        rows = [replay_rule(feats, [stop_lengths(rule(f, s)) for f in feats], cfg, {"setting": list(s)}) for s in grid]
         top = max(rows, key=lambda r: r["speedup"])
         share = (top["speedup"] - fixed["speedup"]) / (oracle["speedup"] - fixed["speedup"])
         best[name] = top | {"oracle_gain_share": round(share, 4)}

@@ -81,25 +81,49 @@ def rule_lengths(policy: str, threshold: float, f: ChainFeatures) -> torch.Tenso
     raise ValueError(f"no replay for policy {policy!r}")
 
 
+def replay_rule(feats: list[ChainFeatures], lengths: list[torch.Tensor], cfg: TuneConfig, key: dict) -> dict:
+    """One replay row: every chain's round length `lengths` (per response, [C]) at cap cfg.cap."""
+    return replay_row(key, replay_lengths([f.runs for f in feats], lengths, cfg.cap), cfg.cost_ratio)
+
+
+def baselines(feats: list[ChainFeatures], cfg: TuneConfig) -> dict[str, Any]:
+    """Fixed K 1..cap (every row and the best) and the oracle on the same chains."""
+    k = cfg.cap
+    fixed = [
+        replay_rule(feats, [torch.full_like(f.runs, n) for f in feats], cfg, {"fixed_k": n}) for n in range(1, k + 1)
+    ]
+    oracle = replay_rule(feats, [f.runs.clamp_max(k) for f in feats], cfg, {"oracle": k})
+    return {"fixed": fixed, "best_fixed": max(fixed, key=lambda row: row["speedup"]), "oracle": oracle}
+
+
 def sweep(feats: list[ChainFeatures], cfg: TuneConfig) -> dict[str, Any]:
     """Fixed K 1..cap, the oracle and every threshold of each policy; the best threshold per policy."""
-    c, k = cfg.cost_ratio, cfg.cap
-    runs = [f.runs for f in feats]
-
-    def counts(lengths: list[torch.Tensor]):
-        return replay_lengths(runs, lengths, k)
-
-    fixed = [replay_row({"fixed_k": n}, counts([torch.full_like(r, n) for r in runs]), c) for n in range(1, k + 1)]
-    oracle = replay_row({"oracle": k}, counts([r.clamp_max(k) for r in runs]), c)
     policies = {}
     for policy in ("svip", "confidence"):
         rows = [
-            replay_row({"threshold": t}, counts([rule_lengths(policy, t, f) for f in feats]), c)
+            replay_rule(feats, [rule_lengths(policy, t, f) for f in feats], cfg, {"threshold": t})
             for t in getattr(cfg, policy)
         ]
         policies[policy] = {"rows": rows, "best": max(rows, key=lambda row: row["speedup"])}
-    best_fixed = max(fixed, key=lambda row: row["speedup"])
-    return {"fixed": fixed, "best_fixed": best_fixed, "oracle": oracle, "policies": policies}
+    return {**baselines(feats, cfg), "policies": policies}
+
+
+def heldout_features(
+    target: str | Path, drafter: str | Path, responses: list[data.Response], cfg: TuneConfig
+) -> tuple[list[ChainFeatures], list[data.Response]]:
+    """The head's chain features on the held-out greedy training responses (at most cfg.replay_responses)."""
+    from tqdm import tqdm
+
+    target_lm = data.load_causal_lm(target)
+    head, head_cfg = load_hf_dir(drafter, target_lm.get_input_embeddings().weight)
+    head.eval()
+    held = [r for r in responses if r.mode == "greedy" and len(r.response_ids) > 2 and is_heldout(r, cfg.val_frac)]
+    held = held[: cfg.replay_responses] if cfg.replay_responses else held
+    feats = [
+        chain_features(head, *response_chains(head, target_lm, r, cfg.cap, head_cfg.aux_layer_ids))
+        for r in tqdm(held, desc="drafter chains")
+    ]
+    return feats, held
 
 
 def tune_eagle3(
@@ -111,18 +135,8 @@ def tune_eagle3(
 ) -> dict[str, Any]:
     """Replays the head's chains on held-out training responses; returns the report with each
     policy's recommended threshold at cfg.cost_ratio."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
-    target_lm = data.load_causal_lm(target)
-    head, head_cfg = load_hf_dir(drafter, target_lm.get_input_embeddings().weight)
-    head.eval()
-    held = [r for r in responses if r.mode == "greedy" and len(r.response_ids) > 2 and is_heldout(r, cfg.val_frac)]
-    held = held[: cfg.replay_responses] if cfg.replay_responses else held
-    feats = [
-        chain_features(head, *response_chains(head, target_lm, r, cfg.cap, head_cfg.aux_layer_ids))
-        for r in tqdm(held, desc="drafter chains")
-    ]
+    feats, held = heldout_features(target, drafter, responses, cfg)
     result = sweep(feats, cfg)
     recommended = {p: {"threshold": v["best"]["threshold"]} for p, v in result["policies"].items()}
     return {
