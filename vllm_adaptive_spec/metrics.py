@@ -65,8 +65,8 @@ class SpecCounts:
         self.n_draft += drafted
         self.n_accepted += accepted
         self.accepted_hist[accepted] += 1
-        self.drafted_per_pos = _add_lists(self.drafted_per_pos, [1] * drafted)
-        self.accepted_per_pos = _add_lists(self.accepted_per_pos, [1] * accepted)
+        _count_prefix(self.drafted_per_pos, drafted)
+        _count_prefix(self.accepted_per_pos, accepted)
 
     def as_dict(self) -> dict:
         return {
@@ -79,6 +79,14 @@ class SpecCounts:
             "drafted_per_pos": list(self.drafted_per_pos),
             "accepted_per_pos": list(self.accepted_per_pos),
         }
+
+
+def _count_prefix(per_pos: list[int], n: int) -> None:
+    """per_pos[j] += 1 for j < n, in place (grown as needed): once per request per engine step."""
+    if len(per_pos) < n:
+        per_pos.extend([0] * (n - len(per_pos)))
+    for j in range(n):
+        per_pos[j] += 1
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:

@@ -26,9 +26,8 @@ class StatsBook:
     def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
         """One engine step: per request, drafts verified and tokens generated (0: not a decode step)."""
         for req_id, n_d, n_g in zip(req_ids, drafted, generated):
-            if n_g <= 0:
-                continue
-            self.live.setdefault(req_id, SpecCounts()).record_step(drafted=n_d, accepted=n_g - 1)
+            if n_g > 0:
+                self._counts(req_id).record_step(drafted=n_d, accepted=n_g - 1)
 
     def record_proposal(
         self, lengths: list[int], forwards: int, req_ids: list[str] | None = None, drawn: list[int] | None = None
@@ -38,7 +37,14 @@ class StatsBook:
         self.drafted_len_hist.update(lengths)
         for req_id, n in zip(req_ids or [], drawn or []):
             if n > 0:
-                self.live.setdefault(req_id, SpecCounts()).n_drawn += n
+                self._counts(req_id).n_drawn += n
+
+    def _counts(self, req_id: str) -> SpecCounts:
+        """The live request's counts (created on first use; not `setdefault`, which builds one per call)."""
+        counts = self.live.get(req_id)
+        if counts is None:
+            counts = self.live[req_id] = SpecCounts()
+        return counts
 
     def finish(self, req_id: str) -> None:
         counts = self.live.pop(req_id, None)

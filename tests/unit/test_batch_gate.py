@@ -115,3 +115,38 @@ def test_batch_aware_config():
         AdaptiveSpecConfig.from_dict({"policy": "vllm_av", "batch_aware": True})
     with pytest.raises(ConfigError, match="adaptive_spec.batch_aware"):
         AdaptiveSpecConfig.from_dict({"policy": "svip", "batch_aware": "yes"})
+
+
+def test_one_step_verdict_holds_for_the_next_rounds_of_at_least_as_many_rows():
+    """Once the rule ends a round after step 0 while rows still wanted to draft, the next
+    HOLD_ROUNDS - 1 rounds of >= as many rows are one-step rounds without the gate; a smaller batch
+    (where a second step may pay) or the end of the hold gives the gate back."""
+    from vllm_adaptive_spec.policies.batch_gate import HOLD_ROUNDS
+
+    n = 16
+    gate = _gate(n)
+    assert not gate.one_step_round(n)
+    assert not gate.after_step([_top(0.99)] * n, [True] * n, [True] + [False] * (n - 1), [1] * n, t=0)
+    assert [gate.one_step_round(n + 1) for _ in range(HOLD_ROUNDS - 1)] == [True] * (HOLD_ROUNDS - 1)
+    assert not gate.one_step_round(n) and gate.held_rounds == HOLD_ROUNDS - 1
+    # a smaller batch ends the hold at once
+    gate.start_round([f"r{i}" for i in range(n)], 4)
+    gate.after_step([_top(0.99)] * n, [True] * n, [True] + [False] * (n - 1), [1] * n, t=0)
+    assert not gate.one_step_round(n - 1) and not gate.one_step_round(n)
+
+
+def test_no_hold_when_the_step_pays_or_no_row_was_drafting():
+    n = 16
+    gate = _gate(n)
+    assert gate.after_step([_top(0.99)] * n, [True] * n, [True] * n, [1] * n, t=0)  # it pays
+    assert not gate.one_step_round(n)
+    gate = _gate(n)
+    assert not gate.after_step([_top(0.99)] * n, [True] * n, [False] * n, [1] * n, t=0)  # the policy stopped all
+    assert not gate.one_step_round(n)
+
+
+def test_no_hold_below_the_minimum_batch():
+    """With one row the verdict follows that row's confidence: the next round gets the gate again."""
+    gate = _gate(1)
+    assert not gate.after_step([_top(0.8)], [True], [True], [1], t=0)  # as in the hand-computed case
+    assert not gate.one_step_round(1)

@@ -46,7 +46,12 @@ def active_policies() -> list[str]:
 
 def worker_stats() -> list[dict]:
     """Snapshots of every adaptive proposer in this process."""
-    return [p.stats.snapshot() | {"policy": p.policy.name, "tracked": p.policy.num_tracked()} for p in _proposers]
+    return [
+        p.stats.snapshot()
+        | {"policy": p.policy.name, "tracked": p.policy.num_tracked()}
+        | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
+        for p in _proposers
+    ]
 
 
 def _stats_rpc(worker: Any) -> list[dict]:

@@ -23,6 +23,18 @@ every draft it leaves in place was kept by the row's own policy, and the
 decision to stop after a kept draft may depend on it (a stopping time,
 ALGORITHMS.md), so sampling stays lossless.
 
+Once the rule ends a round of at least HOLD_MIN_ROWS rows after its first
+step while rows still wanted to draft, the next HOLD_ROUNDS - 1 rounds of at
+least as many rows draft one step with no gate work at all
+(`one_step_round`), and then the gate looks again. Below HOLD_MIN_ROWS one
+row's confidence decides the verdict, which then says little about the next
+round. On the measured curves a second step pays less the more rows there
+are (its verification grows with the rows, its gain only with their
+acceptance), and at batch 4 to 32 on the toy pair the rule ended every
+round after one step: there the gate's per-step work was pure overhead.
+The hold is decided before the round's first draft, from earlier rounds
+only, so it drops no draft.
+
 The gate works on the host, in Python floats, on the one copy of the step's
 decisions that the loop makes anyway: at the batch sizes the loop runs (1 to
 a few hundred rows) a dozen tiny tensor ops per step cost more than the
@@ -35,6 +47,9 @@ import torch
 
 from vllm_adaptive_spec.policies.acceptance import OnlineAcceptanceEstimator, log_odds
 from vllm_adaptive_spec.policies.costs import StepCosts
+
+HOLD_ROUNDS = 8  # a one-step verdict covers this round and the next 7 (of at least as many rows)
+HOLD_MIN_ROWS = 4  # smaller rounds never hold
 
 
 def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -61,6 +76,18 @@ class BatchGate:
         self._gain = 0.0  # expected tokens of the round so far
         self._draft_ms = 0.0
         self._verify: list[float] = []  # pass cost per token count, 0..n (cap + 1)
+        self._hold, self._hold_rows = 0, 0  # one-step rounds left, and the batch size they hold for
+        self.held_rounds = 0  # rounds drafted as one step without the gate (statistics)
+
+    def one_step_round(self, n: int) -> bool:
+        """Before a round of n rows: True when it drafts one step and skips the gate (a recent round
+        of at most n rows ended after one step on the rule); False when the gate runs as usual."""
+        if self._hold > 0 and n >= self._hold_rows:
+            self._hold -= 1
+            self.held_rounds += 1
+            return True
+        self._hold = 0
+        return False
 
     def start_round(self, req_ids: list[str], cap: int) -> None:
         n = len(req_ids)
@@ -96,7 +123,10 @@ class BatchGate:
         more = min(tokens + sum(drafting), top_index)
         cost = (t + 1) * self._draft_ms + self._verify[tokens]
         d_cost = self._draft_ms + self._verify[more] - self._verify[tokens]
-        return d_gain * cost > self._gain * d_cost
+        pays = d_gain * cost > self._gain * d_cost
+        if t == 0 and not pays and any(drafting) and len(top) >= HOLD_MIN_ROWS:
+            self._hold, self._hold_rows = HOLD_ROUNDS - 1, len(top)
+        return pays
 
     def finish_round(self) -> None:
         """The round's drafts wait for verification, to grade the estimates made for them."""
