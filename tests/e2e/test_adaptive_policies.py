@@ -89,9 +89,12 @@ def test_batch_of_64_is_lossless(ref_llm):
     )
     try:
         got = greedy(llm, prompts, max_tokens)
+        snap = _stats(llm)
     finally:
         close_llm(llm)
     assert got == want, first_mismatch(got, want)
+    # at 64 rows the batch gate ends rounds after one step and holds that verdict: the path ran here
+    assert snap["gate_held_rounds"] > 0, snap
 
 
 def test_never_drafts_past_max_tokens(policy_llm, lossless_prompts):
