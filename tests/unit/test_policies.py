@@ -98,3 +98,13 @@ def test_policy_logprobs_greedy_fast_path_equals_casting_first():
     temps = torch.tensor([1.0, 0.5, 0.0, 2.0])  # 0: a greedy row in a sampled batch (raw logits)
     want = torch.log_softmax(logits.float() / torch.tensor([1.0, 0.5, 1.0, 2.0]).unsqueeze(-1), -1)
     assert torch.allclose(policy_logprobs(logits, temps), want)
+
+
+def test_float32_argmax_draws_the_same_tokens_as_bfloat16():
+    """The loop's greedy draw casts the logits to float32 first (cheaper on CPU, and the policy
+    reads float32): the cast is exact and argmax keeps the first maximum, even among many ties."""
+    torch.manual_seed(0)
+    for scale in (0.01, 1.0, 5.0):
+        logits = (torch.randn(32, 6144) * scale).round(decimals=1).bfloat16()  # [B, V]
+        logits[::4, ::3] = logits.max()  # exact ties in every fourth row
+        assert torch.equal(logits.argmax(dim=-1), logits.float().argmax(dim=-1))
