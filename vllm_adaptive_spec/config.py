@@ -20,7 +20,7 @@ from vllm_adaptive_spec.policies.costs import load_costs
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
 PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs")  # the plugin's own; the rest are the policy's
-BASELINES = ("fixed", "vllm_av")  # policies the batch gate is off for unless asked (vllm_av: never)
+BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
 
 
@@ -45,9 +45,13 @@ class AdaptiveSpecConfig:
         batch_aware = raw.get("batch_aware", policy not in BASELINES)
         if not isinstance(batch_aware, bool):
             raise ConfigError(f"{CONFIG_KEY}.batch_aware: expected true or false, got {batch_aware!r}")
-        if batch_aware and policy == "vllm_av":
+        if batch_aware and policy in ("vllm_av", "pearl"):
+            why = {"vllm_av": "it drafts the full K", "pearl": "it serves one request at a time"}[policy]
+            raise ConfigError(f"{CONFIG_KEY}.batch_aware: true does not combine with policy {policy!r} ({why})")
+        if time_policy and policy == "pearl":
             raise ConfigError(
-                f"{CONFIG_KEY}.batch_aware: true does not combine with policy 'vllm_av' (it drafts the full K)"
+                f"{CONFIG_KEY}.time_policy: true does not combine with policy 'pearl' "
+                "(it has no stopping rule to time; its per-step timeline is in the statistics)"
             )
         costs = raw.get("costs")
         if costs is not None:

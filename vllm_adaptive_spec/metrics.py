@@ -115,6 +115,14 @@ def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead:
     return 1.0 / (n_target / n_gen + (n_draft / n_gen) / c + overhead)
 
 
+def overlapped_speedup(n_gen: int, n_target: int, n_drawn: int, c: float) -> float:
+    """S(c) when the draft runs beside the target (PEARL) with ideal overlap: each target step costs the
+    longer of one target pass and its share of the draft's work, (N_drawn / N_T) / c target passes.
+
+    1 / ((N_T / N_gen) * max(1, (N_drawn / N_T) / c)); every PEARL step drafts the same K + 1."""
+    return 1.0 / ((n_target / n_gen) * max(1.0, (n_drawn / n_target) / c))
+
+
 def chain_runs(match: list[bool]) -> list[int]:
     """runs[i]: how many drafts from position i agree with the target in a row, when the
     draft's i-th prediction does not depend on its own earlier drafts (a draft model read

@@ -37,6 +37,7 @@ from benchmarks.harness.plan import (
     default_out,
     eagle3_head_configs,
     full_plan,
+    pearl_plan,
     regime_plan,
     short_plan,
 )
@@ -260,6 +261,7 @@ def main() -> None:
     ap.add_argument("--draft-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the draft")
     ap.add_argument("--regime", action="store_true", help="the batch-1 regime plan (use with the mlp factors)")
     ap.add_argument("--batched", action="store_true", help="the batched plan: batch-aware stopping against baselines")
+    ap.add_argument("--pearl", action="store_true", help="the batch-1 plan of PEARL against sequential speculation")
     ap.add_argument("--counts-only", action="store_true", help="only the count cells (no wall clock)")
     ap.add_argument("--workloads", nargs="*", help="only these prompt families (e.g. code_heldout)")
     ap.add_argument(
@@ -278,7 +280,15 @@ def main() -> None:
     if args.drafter != "draft_model" and args.draft_mlp_factor > 1:
         ap.error("--draft-mlp-factor scales the draft model; with --drafter eagle3 scale the target only")
     plan = (
-        regime_plan() if args.regime else batch_plan() if args.batched else full_plan() if args.full else short_plan()
+        regime_plan()
+        if args.regime
+        else batch_plan()
+        if args.batched
+        else pearl_plan()
+        if args.pearl
+        else full_plan()
+        if args.full
+        else short_plan()
     )
     plan.cells[:] = [
         c
@@ -294,8 +304,8 @@ def main() -> None:
         ]
         plan.notes.append(f"plugin configurations read the cost curves {args.costs}")
     base = default_out(args.full)
-    if args.regime or args.batched:
-        base = base.with_name("regime" if args.regime else "batched")
+    if args.regime or args.batched or args.pearl:
+        base = base.with_name("regime" if args.regime else "batched" if args.batched else "pearl")
     out = args.out or base.with_name(base.name + drafter + scaled)
     # the same plan on the pair as shipped; no speculation does not depend on the drafter
     unscaled = base.with_name(base.name + drafter)

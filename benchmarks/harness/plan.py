@@ -84,8 +84,20 @@ class Plan:
     def cells_for(self, config: Config) -> list[Cell]:
         if config.kind == "hf":  # batch 1, greedy: what HF assisted generation supports
             return [c for c in self.cells if c.batch == 1 and c.temperature == 0.0 and c.timed]
+        if is_pearl(config):  # one request at a time
+            return [c for c in self.cells if c.batch == 1 and (config.timed or not c.timed)]
         cells = [c for c in self.cells if config.timed or not c.timed]
         return [c for c in cells if config.workloads is None or c.workload in config.workloads]
+
+
+def is_pearl(config: Config) -> bool:
+    return (config.adaptive or {}).get("policy") == "pearl"
+
+
+def pearl_configs() -> list[Config]:
+    """PEARL's parallel mode at caps 2, 4 and 8 (the draft drafts until the target needs its tokens,
+    at most K + 1, while the target verifies at most K)."""
+    return [Config(f"pearl K={k}", "plugin", "pearl", k, {"policy": "pearl"}, sweep=k, timed=True) for k in (2, 4, 8)]
 
 
 def _plugin(name: str, family: str, adaptive: dict, sweep: float | None = None, timed: bool = False) -> Config:
@@ -251,6 +263,7 @@ def full_plan() -> Plan:
         ],
         *_policy_sweeps(SPECDECPP_HEAD.exists()),
         *_pacer_ablations(),
+        *[c for c in pearl_configs() if c.k == 2],  # batch-1 cells only (one request at a time)
         Config("HF heuristic (K0=5)", "hf", "HF assisted", 5, hf={"mode": "heuristic", "value": 5}),
         Config("HF confidence 0.4", "hf", "HF assisted", 20, hf={"mode": "confidence", "value": 0.4}),
         Config("oracle", "oracle", "oracle"),
@@ -271,6 +284,7 @@ def short_plan() -> Plan:
         "no speculation",
         "vLLM K=2",
         "vLLM K=4",
+        "pearl K=2",
         "svip h=0.8",
         "confidence 0.4 (default)",
         "specdecpp th=0.8 (head default)",
@@ -352,6 +366,24 @@ def regime_plan() -> Plan:
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     return Plan(configs, cells, notes=["regime: batch 1, greedy, timed cells only; counts are the cells' own"])
+
+
+def pearl_plan() -> Plan:
+    """PEARL against sequential speculation at batch 1, greedy, side by side: fixed K 1-4 and the best
+    adaptive policies on the engine's default cores (vLLM binds the engine to one core and keeps the
+    other for the front end; pearl's draft thread takes that one), and the best fixed K with the engine
+    bound to both cores, so sequential speculation gets the same cores as pearl."""
+    names = {"no speculation", *(f"vLLM K={k}" for k in (1, 2, 3, 4)), "confidence 0.4 (default)"}
+    full = full_plan()
+    configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
+    both = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    configs.append(Config("vLLM K=3 (2 cores)", "vllm", "fixed K, 2 cores", 3, sweep=3, timed=True, env=both))
+    configs += pearl_configs()
+    # the draft on a thread of the engine's process: what sharing the interpreter lock costs
+    thread = {"policy": "pearl", "draft_worker": "thread"}
+    configs.append(Config("pearl K=4 (thread)", "plugin", "pearl thread", 4, thread, sweep=4, timed=True))
+    cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
+    return Plan(configs, cells, notes=["pearl: batch 1, greedy, timed cells only; counts are the cells' own"])
 
 
 def default_out(full: bool) -> Path:

@@ -41,8 +41,9 @@ from typing import Any
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: collective_rpc with a function
 
 from benchmarks import vllm_run  # noqa: E402  (sets vLLM's environment first)
-from benchmarks.harness.plan import Cell, Config  # noqa: E402
+from benchmarks.harness.plan import Cell, Config, is_pearl  # noqa: E402
 from benchmarks.paths import load_prompts  # noqa: E402
+from vllm_adaptive_spec.parallel_draft import fractions  # noqa: E402
 
 
 def token_hash(ids: list[int]) -> str:
@@ -81,6 +82,7 @@ def plugin_totals(llm) -> dict[str, Any]:
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
     out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
+    parallel = dict.fromkeys(("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s"), 0.0)
     for snap in get_stats(llm):
         for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn"):
             out[key] += snap["workload"][key]
@@ -89,7 +91,9 @@ def plugin_totals(llm) -> dict[str, Any]:
                 out[name][int(k)] = out[name].get(int(k), 0) + n
         for key in timing:
             timing[key] += snap.get("timing", {}).get(key, 0)
-    return out | {"timing": timing}
+        for key in parallel:  # policy pearl: the draft thread's timeline
+            parallel[key] += snap.get("parallel", {}).get(key, 0)
+    return out | {"timing": timing, "parallel": parallel}
 
 
 def _delta(after: dict, before: dict, repeats: int) -> dict:
@@ -163,6 +167,8 @@ class CellRun:
             row["draft_len_hist"] = dict(sorted(own["hist"].items()))
             row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
             row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
+            if own["parallel"]["steps"]:
+                row["parallel"] = own["parallel"] | fractions(own["parallel"])
         else:
             row |= self.exact
             row["draft_len_hist"] = {}
@@ -191,6 +197,8 @@ def make_engine(config: Config):
         kwargs["per_request_spec_decode_metrics"] = "summary"  # exact passes per request
     k = config.k if config.kind in ("vllm", "plugin") and config.dynamic is None else None
     adaptive = None if config.adaptive is None else {**config.adaptive, "time_policy": True}
+    if is_pearl(config):  # one request at a time; no stopping rule to time (the thread keeps a timeline)
+        adaptive, kwargs["max_num_seqs"] = config.adaptive, 1
     return vllm_run.make_llm(k=k, adaptive=adaptive, method=config.method, **kwargs)
 
 

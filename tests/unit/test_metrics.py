@@ -79,3 +79,13 @@ def test_chain_runs_and_replay_from_unrolled_runs():
     runs = [0, 3, 0, 0, 0, 0]
     c = simulate_greedy(match, k=4, oracle=True, runs=runs)
     assert (c.n_target, c.n_accepted, c.n_draft) == (3, 3, 3)  # prefill; 1 + 3 drafts (pos 1-4); pos 5
+
+
+def test_overlapped_speedup_by_hand():
+    """PEARL with ideal overlap: 160 tokens in 100 steps, 4 drafts per step. At c = 4 the draft's
+    4/4 of a target pass hides behind it (S = tau = 1.6); at c = 2 it takes 2 passes (S = 0.8)."""
+    from vllm_adaptive_spec.metrics import overlapped_speedup
+
+    assert overlapped_speedup(160, 100, 400, 4.0) == pytest.approx(1.6)
+    assert overlapped_speedup(160, 100, 400, 2.0) == pytest.approx(0.8)
+    assert overlapped_speedup(160, 100, 400, 8.0) == pytest.approx(1.6)

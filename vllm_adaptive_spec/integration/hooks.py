@@ -1,8 +1,10 @@
 """Every place where the plugin touches vLLM, in install order, with its reason.
 
-Each hook wraps one vLLM method and calls the original first. For an engine
-whose `additional_config` has no `adaptive_spec` key a hook does nothing
-else, so vLLM behaves exactly as without the plugin.
+Each hook wraps one vLLM method and calls the original first (except the
+`_model_forward` hook, whose work for policy `pearl` must start just before
+the target's forward). For an engine whose `additional_config` has no
+`adaptive_spec` key a hook does nothing else, so vLLM behaves exactly as
+without the plugin.
 
 For engines with `adaptive_spec` the second hook calls `runtime.activate`,
 which does the only other two things the plugin changes, in this order:
@@ -13,6 +15,9 @@ which does the only other two things the plugin changes, in this order:
    (`proposer.DRAFTERS`): vLLM's own proposer class (`DraftModelProposer`,
    `EagleProposer`, `DFlashProposer`) with the shared adaptive draft loop in
    front of it.
+With policy `pearl` the adaptive drafter is `pearl.PearlProposer`, and the
+`_model_forward` hook (the last in `HOOKS`) starts its draft thread just
+before each target forward; for every other engine that hook does nothing.
 Separately, `prometheus.AdaptiveSpecStatLogger` is a stat-logger plugin (a
 vLLM extension point, not a patch) that exports nothing for other engines.
 """
@@ -72,6 +77,17 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
                 "(the block is drafted in one forward, so there is no next draft step to weigh)"
             )
         cfg = dataclasses.replace(cfg, batch_aware=False)  # the default for adaptive policies, off here
+    if cfg.policy == "pearl":
+        if method != "draft_model":
+            raise ConfigError(
+                f"adaptive_spec.policy='pearl' needs speculative_config.method='draft_model', got {method!r} "
+                "(a head that reads the target's hidden states cannot draft before the target has run)"
+            )
+        if vllm_config.scheduler_config.max_num_seqs != 1:
+            raise ConfigError(
+                "adaptive_spec.policy='pearl' serves one request at a time: set max_num_seqs=1 "
+                f"(got max_num_seqs={vllm_config.scheduler_config.max_num_seqs})"
+            )
     # Trained heads must fit the running draft (SpecDec++: fingerprint in the head file).
     POLICY_CLASSES[cfg.policy].check_engine(cfg.params, spec.model)
     return cfg
@@ -129,6 +145,17 @@ def _release_finished_requests(original: Callable) -> Callable:
     return _update_states
 
 
+def _start_parallel_draft(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _model_forward(self, *args, **kwargs):
+        start = getattr(getattr(self, "drafter", None), "before_target_forward", None)  # only pearl's proposer
+        if start is not None:
+            start()
+        return original(self, *args, **kwargs)
+
+    return _model_forward
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(
         "vllm.engine.arg_utils",
@@ -153,6 +180,14 @@ HOOKS: tuple[Hook, ...] = (
         "drop a request's policy state and close its statistics in the engine step that ends or "
         "preempts it (vLLM hands the ids to the runner there, and nowhere the drafter sees them)",
         _release_finished_requests,
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        "_model_forward",
+        "policy 'pearl': start drafting the next round on the draft thread just before the target's "
+        "forward (its inputs are final there), so that the two run at the same time",
+        _start_parallel_draft,
     ),
 )
 

@@ -28,6 +28,10 @@ def activate(runner: Any, cfg: AdaptiveSpecConfig) -> None:
     if getattr(runner, "drafter", None) is None:
         return  # not the rank that drafts (pipeline parallelism)
     drafter_class = DRAFTERS[runner.speculative_config.method]
+    if cfg.policy == "pearl":
+        from vllm_adaptive_spec.integration.pearl import PearlProposer
+
+        drafter_class = PearlProposer
     runner.drafter = drafter_class(runner.vllm_config, runner.device, runner, cfg)
     _proposers.add(runner.drafter)
     logger.info(
@@ -50,6 +54,7 @@ def worker_stats() -> list[dict]:
         p.stats.snapshot()
         | {"policy": p.policy.name, "tracked": p.policy.num_tracked()}
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
+        | ({"parallel": p.parallel_stats()} if hasattr(p, "parallel_stats") else {})
         for p in _proposers
     ]
 

@@ -6,6 +6,7 @@ from vllm_adaptive_spec.policies.confidence import ConfidencePolicy
 from vllm_adaptive_spec.policies.fixed import FixedPolicy
 from vllm_adaptive_spec.policies.heuristic import HeuristicPolicy
 from vllm_adaptive_spec.policies.pacer import PacerPolicy
+from vllm_adaptive_spec.policies.pearl import PearlPolicy
 from vllm_adaptive_spec.policies.specdecpp import SpecDecPPPolicy
 from vllm_adaptive_spec.policies.svip import SvipPolicy
 from vllm_adaptive_spec.policies.vllm_av import VllmAvPolicy
@@ -21,6 +22,7 @@ POLICY_CLASSES: dict[str, type[StopPolicy]] = {
         SpecDecPPPolicy,
         PacerPolicy,
         VllmAvPolicy,
+        PearlPolicy,
     )
 }
 
