@@ -349,7 +349,7 @@ class DraftProcess:
         return np.frombuffer(_read_exact(self._in, 4 * count), dtype=np.int32).tolist() if count else []
 
     def submit(self, seq: np.ndarray, n: int) -> None:
-        """Draft n tokens after seq ([L] token ids) in the process."""
+        """Draft up to n tokens after seq ([L] token ids) in the process, until collected."""
         if self._pending:
             self.collect()
         seq = np.ascontiguousarray(seq, dtype=np.int32)

@@ -71,16 +71,20 @@ class PearlProposer(AdaptiveDraftModelProposer):
         logger.info("vllm-adaptive-spec: pearl drafts in a %s on CPUs %s", worker, self.drafts.thread_cpus)
 
     def before_target_forward(self) -> None:
-        """Hand the draft thread the sequence the target is about to run (one request decoding)."""
+        """Hand the draft worker the sequence the target is about to run (one request decoding)."""
         ib = self.runner.input_batch
         if ib.num_reqs != 1:
             return
         end = int(ib.num_computed_tokens_cpu[0]) + int(self.runner.query_start_loc.np[1])
         if end < int(ib.num_prompt_tokens[0]):
             return  # a prefill chunk that samples nothing
-        self._step = (ib.req_ids[0], end)
         n = min(self.num_speculative_tokens + 1, self.max_len - end + 1)  # the draft's cache ends at max_model_len
-        self.drafts.submit(ib.token_ids_cpu[0, :end], n)
+        try:
+            self.drafts.submit(ib.token_ids_cpu[0, :end], n)
+        except Exception:  # e.g. the draft process is gone: this step runs without a job, never fails
+            logger.exception("vllm-adaptive-spec: pearl could not start a draft job; this step has none")
+            return
+        self._step = (ib.req_ids[0], end)
 
     def _propose(
         self,
