@@ -1,4 +1,4 @@
-"""PEARL's parallel draft (seed 002): a batch-1 draft model that drafts on its own thread.
+"""PEARL's parallel draft (seed 002): a batch-1 draft model that drafts in a process or thread of its own.
 
 Host-free (PyTorch only). `integration/pearl.py` drives it from inside vLLM:
 while the target verifies round r's drafts, a draft worker (`DraftProcess` on
