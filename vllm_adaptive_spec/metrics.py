@@ -115,12 +115,14 @@ def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead:
     return 1.0 / (n_target / n_gen + (n_draft / n_gen) / c + overhead)
 
 
-def overlapped_speedup(n_gen: int, n_target: int, n_drawn: int, c: float) -> float:
+def overlapped_speedup(n_gen: int, n_target: int, n_drawn: int, c: float, n_sequential: int = 0) -> float:
     """S(c) when the draft runs beside the target (PEARL) with ideal overlap: each target step costs the
-    longer of one target pass and its share of the draft's work, (N_drawn / N_T) / c target passes.
+    longer of one target pass and its share of the parallel draft work, (N_par / N_T) / c target passes,
+    with N_par = N_drawn - N_seq; drafts made while the target waited (N_seq, pearl's pre_draft) add 1/c each.
 
-    1 / ((N_T / N_gen) * max(1, (N_drawn / N_T) / c)); every PEARL step drafts the same K + 1."""
-    return 1.0 / ((n_target / n_gen) * max(1.0, (n_drawn / n_target) / c))
+    1 / ((N_T / N_gen) * max(1, (N_par / N_T) / c) + (N_seq / N_gen) / c), steps drafting alike."""
+    parallel = (n_drawn - n_sequential) / n_target / c
+    return 1.0 / ((n_target / n_gen) * max(1.0, parallel) + n_sequential / n_gen / c)
 
 
 def chain_runs(match: list[bool]) -> list[int]:

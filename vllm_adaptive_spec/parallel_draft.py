@@ -201,6 +201,7 @@ class Timeline:
     step_s: float = 0.0  # those steps, join to join
     draft_busy_s: float = 0.0  # the draft thread computing
     target_wait_s: float = 0.0  # the engine's thread blocked on the draft (it asked before the job ended)
+    pre_drafted: int = 0  # drafts made while the engine waited (pearl's pre_draft), not beside the target
     last_join: float | None = field(default=None, repr=False)
 
     def record(self, started: float, finished: float, asked: float, joined: float, same_request: bool) -> None:
@@ -212,9 +213,15 @@ class Timeline:
         self.draft_busy_s += finished - started
         self.target_wait_s += joined - asked
 
+    def add_wait(self, started: float, finished: float, asked: float, joined: float) -> None:
+        """A job inside an engine step that already has one (pearl's pre_draft): busy and wait only."""
+        self.draft_busy_s += finished - started
+        self.target_wait_s += joined - asked
+
     def as_dict(self) -> dict[str, float | int]:
         sums = {
-            k: getattr(self, k) for k in ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s")
+            k: getattr(self, k)
+            for k in ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s", "pre_drafted")
         }
         return sums | fractions(sums)
 
@@ -270,17 +277,19 @@ class DraftThread:
             value = fn(*args)
         return value, started, time.perf_counter()
 
-    def submit(self, seq: np.ndarray, n: int) -> None:
-        """Draft up to n tokens after seq ([L] token ids) on the thread, until collected; a job not
-        collected is collected (and dropped) first."""
+    def submit(self, seq: np.ndarray, n: int, until_asked: bool = True) -> None:
+        """Draft up to n tokens after seq ([L] token ids) on the thread, until collected (all n when not
+        `until_asked`); a job not collected is collected (and dropped) first."""
         if self._job is not None:
             self.collect()
         self._stop.clear()
-        self._job = self._pool.submit(self._run, self.draft.continue_greedy, (seq.tolist(), n, self._stop.is_set))
+        stop = self._stop.is_set if until_asked else None
+        self._job = self._pool.submit(self._run, self.draft.continue_greedy, (seq.tolist(), n, stop))
 
-    def collect(self, same_request: bool = True) -> list[int] | None:
+    def collect(self, same_request: bool = True, step: bool = True) -> list[int] | None:
         """Wait for the submitted job -> its drafts (None when nothing was submitted); records the timeline
-        (`same_request`: the previous step served the same request, so the step's length is known)."""
+        (`same_request`: the previous step served the same request, so the step's length is known;
+        `step`: the job is the engine step's own, not an extra one inside it)."""
         job, self._job = self._job, None
         if job is None:
             self.timeline.skipped += 1
@@ -289,7 +298,8 @@ class DraftThread:
         asked = time.perf_counter()
         self._stop.set()
         value, started, finished = job.result()
-        self.timeline.record(started, finished, asked, time.perf_counter(), same_request)
+        times = (started, finished, asked, time.perf_counter())
+        self.timeline.record(*times, same_request) if step else self.timeline.add_wait(*times)
         return value
 
     @property
@@ -303,8 +313,9 @@ class DraftThread:
 # OpenMP placement the engine's environment carries (vLLM binds its threads to its cores): a draft
 # process must not inherit it, or its one thread lands on the engine's core.
 _OMP_PLACEMENT = ("OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY", "GOMP_CPU_AFFINITY")
-# a job: suffix length, common prefix length, most tokens to draft; then the suffix (int32). The engine
-# then sends one byte when it wants the drafts: the process stops between two tokens and answers.
+# a job: suffix length, common prefix length, most tokens to draft (negative: all of them, never stopping
+# early); then the suffix (int32). The engine then sends one byte when it wants the drafts: the process
+# stops between two tokens and answers.
 _REQ = struct.Struct("<3i")
 _REP = struct.Struct("<i2d")  # tokens drafted (-1: error), started, finished (CLOCK_MONOTONIC); then the tokens
 
@@ -348,18 +359,21 @@ class DraftProcess:
         self._times = (started, finished)
         return np.frombuffer(_read_exact(self._in, 4 * count), dtype=np.int32).tolist() if count else []
 
-    def submit(self, seq: np.ndarray, n: int) -> None:
-        """Draft up to n tokens after seq ([L] token ids) in the process, until collected."""
+    def submit(self, seq: np.ndarray, n: int, until_asked: bool = True) -> None:
+        """Draft up to n tokens after seq ([L] token ids) in the process, until collected (all n when
+        not `until_asked`)."""
         if self._pending:
             self.collect()
-        seq = np.ascontiguousarray(seq, dtype=np.int32)
+        seq = np.array(seq, dtype=np.int32)  # a copy: the caller's buffer may change before collect
         m = min(len(seq) - 1, len(self._held))
         diff = np.flatnonzero(seq[:m] != self._held[:m])
         common = int(diff[0]) if len(diff) else m
-        os.write(self._out, _REQ.pack(len(seq) - common, common, n) + seq[common:].tobytes())
+        count = n if until_asked else -n  # negative: draft all n, whenever the engine asks
+        os.write(self._out, _REQ.pack(len(seq) - common, common, count) + seq[common:].tobytes())
         self._seq, self._pending = seq, True
 
-    def collect(self, same_request: bool = True) -> list[int] | None:
+    def collect(self, same_request: bool = True, step: bool = True) -> list[int] | None:
+        """As DraftThread.collect."""
         if not self._pending:
             self.timeline.skipped += 1
             self.timeline.last_join = None
@@ -372,7 +386,8 @@ class DraftProcess:
         except Exception:
             self._held = np.zeros(0, dtype=np.int32)  # resend everything next time
             raise
-        self.timeline.record(*self._times, asked, time.perf_counter(), same_request)
+        times = (*self._times, asked, time.perf_counter())
+        self.timeline.record(*times, same_request) if step else self.timeline.add_wait(*times)
         self._held = np.concatenate([self._seq, np.asarray(ahead[:-1], dtype=np.int32)])
         return ahead
 
@@ -413,7 +428,7 @@ def serve(model_dir: str, max_len: int, dtype: str, cpus: str) -> None:
             return
         started = time.perf_counter()
         try:
-            ahead = draft.continue_greedy(draft.tokens[:common] + suffix, n, stop)
+            ahead = draft.continue_greedy(draft.tokens[:common] + suffix, abs(n), stop if n > 0 else None)
             body, count = np.asarray(ahead, dtype=np.int32).tobytes(), len(ahead)
         except Exception as e:
             draft.tokens = []

@@ -134,7 +134,7 @@ def _charged_speedup(row: dict, c: float, f: float, method: str = "draft_model")
     in target steps (a draft step is 1/c of one). PEARL rows (`parallel`) draft beside the target: S with
     ideal overlap (metrics.overlapped_speedup)."""
     if row.get("parallel"):
-        return overlapped_speedup(row["n_gen"], row["n_target"], drawn(row), c)
+        return overlapped_speedup(row["n_gen"], row["n_target"], drawn(row), c, row["parallel"].get("pre_drafted", 0))
     units = draft_units(row, method)
     o = f * units / row["n_gen"] / c if row["n_gen"] else 0.0
     return modeled_speedup(row["n_gen"], row["n_target"], units, c, o)
@@ -466,7 +466,8 @@ def parallel_section(table: dict[str, Any]) -> list[str]:
         "not computing (waiting for the target); target wait: the share the engine's thread blocks on the "
         "draft. Wasted drafts: drafts computed and never accepted, per generated token. S at c = 4 with ideal "
         "overlap (a GPU-like regime, draft and target on separate hardware): each step costs the longer of one "
-        "target pass and (K + 1)/c; sequential rows' S columns charge their drafts after the target instead.",
+        "target pass and its parallel drafts / c, plus 1/c per draft made while the target waited (pre_draft); "
+        "sequential rows' S columns charge their drafts after the target instead.",
         "",
         "| config | cell | wall clock vs no spec | tau | drafts verified per step | wasted drafts per token "
         "| S c=4, ideal overlap | step ms | draft busy ms | draft idle | target wait |",

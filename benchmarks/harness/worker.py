@@ -82,7 +82,9 @@ def plugin_totals(llm) -> dict[str, Any]:
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
     out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
-    parallel = dict.fromkeys(("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s"), 0.0)
+    parallel = dict.fromkeys(
+        ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s", "pre_drafted"), 0.0
+    )
     for snap in get_stats(llm):
         for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn"):
             out[key] += snap["workload"][key]

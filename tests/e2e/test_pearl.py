@@ -41,9 +41,10 @@ def test_pearl_drafts_on_its_thread_and_reports_its_timeline(pearl_llm, lossless
         assert par["draft_cpus"] and 0 not in par["draft_cpus"]  # vLLM binds the engine to CPU 0 here
 
 
-def test_pearl_on_a_thread_is_lossless(lossless_prompts, lossless_reference):
-    """The thread worker (the GPU design; on CPU it shares the interpreter lock with the engine)."""
-    thread = {"adaptive_spec": {"policy": "pearl", "draft_worker": "thread"}}
+def test_pearl_on_a_thread_with_pre_draft_is_lossless(lossless_prompts, lossless_reference):
+    """The thread worker (the GPU design; on CPU it shares the interpreter lock with the engine), with
+    one draft made at once after each rejection (pre_draft)."""
+    thread = {"adaptive_spec": {"policy": "pearl", "draft_worker": "thread", "pre_draft": 1}}
     llm = make_llm(speculative_config=spec_config(4), additional_config=thread, max_num_seqs=1)
     try:
         n = 12
@@ -53,6 +54,7 @@ def test_pearl_on_a_thread_is_lossless(lossless_prompts, lossless_reference):
         close_llm(llm)
     assert got == lossless_reference[:n], first_mismatch(got, lossless_reference[:n])
     assert snap["workload"]["n_accepted"] > 0 and snap["parallel"]["steps"] > 0
+    assert snap["parallel"]["pre_drafted"] > 0
 
 
 @pytest.mark.parametrize(

@@ -89,3 +89,5 @@ def test_overlapped_speedup_by_hand():
     assert overlapped_speedup(160, 100, 400, 4.0) == pytest.approx(1.6)
     assert overlapped_speedup(160, 100, 400, 2.0) == pytest.approx(0.8)
     assert overlapped_speedup(160, 100, 400, 8.0) == pytest.approx(1.6)
+    # 40 of the 400 drafted while the target waited: 360 beside it (0.9 of a pass), 40/4 = 10 passes after
+    assert overlapped_speedup(160, 100, 400, 4.0, n_sequential=40) == pytest.approx(160 / (100 + 10))

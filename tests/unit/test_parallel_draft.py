@@ -119,6 +119,8 @@ def test_draft_thread_runs_jobs_on_its_own_thread_and_cpu():
         thread.submit(ids[:12], 40)  # the first job, never collected, is collected and dropped
         got = thread.collect()  # asked at once: stops between two tokens, at least one
         assert 1 <= len(got) < 40 and got == DenseDraft.load(DRAFT, 128).continue_greedy(ids[:12].tolist(), len(got))
+        thread.submit(ids[:12], 6, until_asked=False)
+        assert thread.collect(step=False) == DenseDraft.load(DRAFT, 128).continue_greedy(ids[:12].tolist(), 6)
         assert thread.timeline.steps == 3
     finally:
         thread.close()
@@ -143,6 +145,8 @@ def test_draft_process_drafts_what_the_dense_draft_drafts():
         proc.submit(np.asarray(seq), 40)
         got = proc.collect()  # asked at once: it stops between two tokens, after at least one
         assert 1 <= len(got) < 40 and got == local.continue_greedy(seq, len(got))
+        proc.submit(np.asarray(seq), 5, until_asked=False)  # asked at once, but all 5 wanted
+        assert proc.collect(step=False) == local.continue_greedy(seq, 5)
         proc.submit(np.asarray(_ids(70)), 2)  # past max_len
         with pytest.raises(RuntimeError, match="max_len 64"):
             proc.collect()
@@ -184,10 +188,13 @@ def test_free_cpus():
 def test_pearl_config_errors():
     assert AdaptiveSpecConfig.from_dict({"policy": "pearl"}).batch_aware is False
     assert AdaptiveSpecConfig.from_dict({"policy": "pearl", "draft_cpu": 1}).build_policy().draft_cpu == 1
+    assert AdaptiveSpecConfig.from_dict({"policy": "pearl"}).build_policy().pre_draft == 0  # PEARL as published
     for raw, needle in [
         ({"policy": "pearl", "batch_aware": True}, "adaptive_spec.batch_aware: true does not combine"),
         ({"policy": "pearl", "time_policy": True}, "adaptive_spec.time_policy: true does not combine"),
         ({"policy": "pearl", "draft_cpu": -1}, "adaptive_spec.draft_cpu"),
+        ({"policy": "pearl", "pre_draft": 17}, "adaptive_spec.pre_draft: 17 is out of range"),
+        ({"policy": "pearl", "draft_worker": "gpu"}, "adaptive_spec.draft_worker: 'gpu' is not one of"),
         ({"policy": "pearl", "threshold": 0.5}, "adaptive_spec.threshold: unknown field"),
     ]:
         with pytest.raises(ConfigError, match=needle):

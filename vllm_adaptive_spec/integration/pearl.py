@@ -31,6 +31,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_adaptive_spec.config import ConfigError
@@ -66,7 +67,7 @@ class PearlProposer(AdaptiveDraftModelProposer):
             self.drafts = DraftProcess(spec.model, self.max_len, dtype, cpus)
         else:
             self.drafts = DraftThread(DenseDraft.load(spec.model, self.max_len, device, dtype), cpus, device)
-        self._step: tuple[str, int] | None = None  # (request, tokens the target runs) of the pending job
+        self._step: tuple[str, np.ndarray] | None = None  # (request, the sequence the target runs) of the job
         self._last_req: str | None = None  # the request of the previous step
         logger.info("vllm-adaptive-spec: pearl drafts in a %s on CPUs %s", worker, self.drafts.thread_cpus)
 
@@ -79,12 +80,13 @@ class PearlProposer(AdaptiveDraftModelProposer):
         if end < int(ib.num_prompt_tokens[0]):
             return  # a prefill chunk that samples nothing
         n = min(self.num_speculative_tokens + 1, self.max_len - end + 1)  # the draft's cache ends at max_model_len
+        seq = ib.token_ids_cpu[0, :end].copy()
         try:
-            self.drafts.submit(ib.token_ids_cpu[0, :end], n)
+            self.drafts.submit(seq, n)
         except Exception:  # e.g. the draft process is gone: this step runs without a job, never fails
             logger.exception("vllm-adaptive-spec: pearl could not start a draft job; this step has none")
             return
-        self._step = (ib.req_ids[0], end)
+        self._step = (ib.req_ids[0], seq)
 
     def _propose(
         self,
@@ -116,11 +118,30 @@ class PearlProposer(AdaptiveDraftModelProposer):
             self.stats.record_proposal([0] * batch, 0, req_ids, [0] * batch)
             return [[] for _ in range(batch)]
         limit = self._round_limits(req_ids, generated, num_speculative_tokens)[0]
+        bonus = int(next_token_ids[0])
         all_accepted = generated[0] == drafted[0] + 1
-        keep = all_accepted and int(next_token_ids[0]) == ahead[0]
-        draft = ahead[1 : 1 + limit] if keep else []
-        self.stats.record_proposal([len(draft)], 0, req_ids, [len(ahead)])
+        if all_accepted and bonus == ahead[0]:
+            draft, drawn = ahead[1 : 1 + limit], len(ahead)
+        else:
+            draft, drawn = self._pre_draft(step[1], drafted[0], generated[0] - 1, bonus, limit), len(ahead)
+            drawn += len(draft)
+        self.stats.record_proposal([len(draft)], 0, req_ids, [drawn])
         return [draft]
+
+    def _pre_draft(self, seq: np.ndarray, drafted: int, accepted: int, bonus: int, limit: int) -> list[int]:
+        """After a rejection: `pre_draft` drafts after the corrected sequence, made now (0: none)."""
+        n = min(self.policy.pre_draft, limit)
+        if n == 0:
+            return []
+        corrected = np.append(seq[: len(seq) - drafted + accepted], bonus).astype(np.int32)  # [L']
+        try:
+            self.drafts.submit(corrected, n, until_asked=False)
+            made = (self.drafts.collect(step=False) or [])[:n]
+            self.drafts.timeline.pre_drafted += len(made)
+            return made
+        except Exception:
+            logger.exception("vllm-adaptive-spec: pearl's pre-draft failed; this step goes on without drafts")
+            return []
 
     def parallel_stats(self) -> dict:
         cpus = self.drafts.thread_cpus

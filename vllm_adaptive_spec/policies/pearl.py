@@ -25,11 +25,15 @@ class PearlPolicy(StopPolicy):
         # where the draft runs: its own process (CPU default: no interpreter lock shared with the
         # engine) or a thread of the engine's process (GPU: on its own CUDA stream)
         "draft_worker": Param(str, choices=("process", "thread")),
+        # after a rejection, drafts made at once, before the target's next step (0: PEARL's pre-verify,
+        # where that step verifies none and only checks the worker's first token)
+        "pre_draft": Param(int, 0, 16),
     }
 
-    def __init__(self, draft_cpu: int | None = None, draft_worker: str | None = None):
+    def __init__(self, draft_cpu: int | None = None, draft_worker: str | None = None, pre_draft: int = 0):
         self.draft_cpu = draft_cpu
         self.draft_worker = draft_worker
+        self.pre_draft = pre_draft
 
     @classmethod
     def check_engine(cls, params: dict, draft_model: str) -> None:
