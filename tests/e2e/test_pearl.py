@@ -65,6 +65,10 @@ def test_pearl_on_a_thread_with_pre_draft_is_lossless(lossless_prompts, lossless
             {"speculative_config": spec_config(3) | {"method": "eagle3"}, "max_num_seqs": 1},
             "needs speculative_config.method='draft_model', got 'eagle3'",
         ),
+        (
+            {"speculative_config": spec_config(3), "max_num_seqs": 1, "tensor_parallel_size": 2},
+            "tensor_parallel_size=2 and pipeline_parallel_size=1 are not supported",
+        ),
     ],
 )
 def test_pearl_refuses_what_it_does_not_serve_at_startup(kwargs, needle):

@@ -88,6 +88,13 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
                 "adaptive_spec.policy='pearl' serves one request at a time: set max_num_seqs=1 "
                 f"(got max_num_seqs={vllm_config.scheduler_config.max_num_seqs})"
             )
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "adaptive_spec.policy='pearl' runs one draft worker beside one engine process: "
+                f"tensor_parallel_size={parallel.tensor_parallel_size} and "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size} are not supported (set both to 1)"
+            )
     # Trained heads must fit the running draft (SpecDec++: fingerprint in the head file).
     POLICY_CLASSES[cfg.policy].check_engine(cfg.params, spec.model)
     return cfg
