@@ -364,7 +364,7 @@ class DraftProcess:
         not `until_asked`)."""
         if self._pending:
             self.collect()
-        seq = np.array(seq, dtype=np.int32)  # a copy: the caller's buffer may change before collect
+        seq = np.ascontiguousarray(seq, dtype=np.int32)  # kept until collect: the caller must not change it
         m = min(len(seq) - 1, len(self._held))
         diff = np.flatnonzero(seq[:m] != self._held[:m])
         common = int(diff[0]) if len(diff) else m

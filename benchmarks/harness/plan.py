@@ -371,7 +371,7 @@ def regime_plan() -> Plan:
 def pearl_plan() -> Plan:
     """PEARL against sequential speculation at batch 1, greedy, side by side: fixed K 1-4 and the best
     adaptive policies on the engine's default cores (vLLM binds the engine to one core and keeps the
-    other for the front end; pearl's draft thread takes that one), and the best fixed K with the engine
+    other for the front end; pearl's draft process takes that one), and the best fixed K with the engine
     bound to both cores, so sequential speculation gets the same cores as pearl."""
     names = {"no speculation", *(f"vLLM K={k}" for k in (1, 2, 3, 4)), "confidence 0.4 (default)"}
     full = full_plan()

@@ -461,8 +461,9 @@ def parallel_section(table: dict[str, Any]) -> list[str]:
         "",
         "## Parallel drafting (pearl): per-step timeline",
         "",
-        "The draft thread drafts K + 1 tokens while the target verifies K. Step: engine step, join to join "
-        "(steps following a step of the same request). Draft idle: the share of a step the draft thread is "
+        "The draft worker drafts until the engine asks for its tokens (at most K + 1) while the target "
+        "verifies at most K. Step: engine step, join to join "
+        "(steps following a step of the same request). Draft idle: the share of a step the draft worker is "
         "not computing (waiting for the target); target wait: the share the engine's thread blocks on the "
         "draft. Wasted drafts: drafts computed and never accepted, per generated token. S at c = 4 with ideal "
         "overlap (a GPU-like regime, draft and target on separate hardware): each step costs the longer of one "

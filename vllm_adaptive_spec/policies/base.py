@@ -88,7 +88,6 @@ class StopPolicy:
         return StepDecision(keep=ok, stop=~ok)
 
     trims = False  # True: the proposer calls admit after the round's loop
-    parallel = False  # True: PEARL's parallel drafting (integration/pearl.py); decide is never called
 
     def admit(self, lengths: torch.Tensor) -> torch.Tensor:
         """After the loop (only for policies with trims): lengths [B], the drafts each row holds ->

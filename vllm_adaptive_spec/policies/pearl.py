@@ -19,7 +19,6 @@ from vllm_adaptive_spec.policies.params import Param
 
 class PearlPolicy(StopPolicy):
     name = "pearl"
-    parallel = True
     PARAMS = {
         "draft_cpu": Param(int, 0, 4095),  # the CPU the draft runs on (default: those the engine does not use)
         # where the draft runs: its own process (CPU default: no interpreter lock shared with the
