@@ -382,10 +382,11 @@ def pearl_plan() -> Plan:
     # the draft on a thread of the engine's process: what sharing the interpreter lock costs
     thread = {"policy": "pearl", "draft_worker": "thread"}
     configs.append(Config("pearl K=4 (thread)", "plugin", "pearl thread", 4, thread, sweep=4, timed=True))
-    # after a rejection, one draft made at once so the next step verifies it (PEARL: none)
-    pre = {"policy": "pearl", "pre_draft": 1}
+    # PEARL's own pre-verify: after a rejection the next step verifies no draft (the default, pre_draft 1,
+    # makes one draft at once for it)
+    own = {"policy": "pearl", "pre_draft": 0}
     configs += [
-        Config(f"pearl K={k} pre_draft=1", "plugin", "pearl pre_draft", k, pre, sweep=k, timed=True) for k in (2, 4)
+        Config(f"pearl K={k} pre_draft=0", "plugin", "pearl pre_draft=0", k, own, sweep=k, timed=True) for k in (2, 4)
     ]
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     return Plan(configs, cells, notes=["pearl: batch 1, greedy, timed cells only; counts are the cells' own"])

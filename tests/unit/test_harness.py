@@ -246,3 +246,36 @@ def test_model_against_wall_clock_names_the_overhead():
     # t_T 2 ms, fixed spec-step cost 3 ms -> 0.50 t_T above a target step
     assert "c 4.00, speculative-step overhead above t_T 0.50 t_T" in part
     assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% |" in part
+
+
+def test_scaled_copies_may_part_only_at_a_bfloat16_tie(tmp_path):
+    """check_same_tokens: a prompt whose output parts from the unscaled pair's passes only where the
+    original's float32 top-2 margin is within two bfloat16 steps; any other parting stops the run."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.harness.__main__ import check_same_tokens, tie_tolerance
+    from benchmarks.paths import MODELS, load_prompts
+
+    assert tie_tolerance(10.7) == 0.125 and tie_tolerance(-3.0) == 2.0**-5
+    model = AutoModelForCausalLM.from_pretrained(MODELS / "toy-target", dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(MODELS / "toy-target")(load_prompts("code_heldout")[0]).input_ids
+    with torch.no_grad():
+        top2 = model(torch.tensor([ids])).logits[0, -1].topk(2)
+    first, second = top2.indices.tolist()
+    assert top2.values[0] - top2.values[1] > tie_tolerance(top2.values[0].item())  # a clear choice
+    cell = _cell("timed", 1) | {"n_prompts": 1}
+
+    def nospec(first_token: int) -> dict:
+        row = {"cell": cell, "output_hashes": [str(first_token)], "_outputs": [[first_token, 5]]}
+        return {"config": _cfg("no speculation", "nospec", "no speculation"), "cells": [row]}
+
+    ref = tmp_path / "no_speculation.json"
+    ref.write_text(json.dumps(nospec(first)))
+    check_same_tokens([nospec(first)], ref, tmp_path)  # the same tokens
+    assert json.loads((tmp_path / "same_tokens.json").read_text())["cells"] == {cell["key"]: True}
+    with pytest.raises(SystemExit, match="other tokens"):
+        check_same_tokens([nospec(second)], ref, tmp_path)
+    parted = json.loads((tmp_path / "same_tokens.json").read_text())["parted"][cell["key"]]
+    assert parted[0]["position"] == 0 and not parted[0]["tie"]
+    assert parted[0]["margin"] == pytest.approx((top2.values[0] - top2.values[1]).item(), abs=1e-4)

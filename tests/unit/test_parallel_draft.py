@@ -188,7 +188,7 @@ def test_free_cpus():
 def test_pearl_config_errors():
     assert AdaptiveSpecConfig.from_dict({"policy": "pearl"}).batch_aware is False
     assert AdaptiveSpecConfig.from_dict({"policy": "pearl", "draft_cpu": 1}).build_policy().draft_cpu == 1
-    assert AdaptiveSpecConfig.from_dict({"policy": "pearl"}).build_policy().pre_draft == 0  # PEARL as published
+    assert AdaptiveSpecConfig.from_dict({"policy": "pearl"}).build_policy().pre_draft == 1  # 0: PEARL as published
     for raw, needle in [
         ({"policy": "pearl", "batch_aware": True}, "adaptive_spec.batch_aware: true does not combine"),
         ({"policy": "pearl", "time_policy": True}, "adaptive_spec.time_policy: true does not combine"),

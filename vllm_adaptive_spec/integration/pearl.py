@@ -11,10 +11,12 @@ One engine step, batch 1 (the only batch `pearl` accepts):
 3. `propose` (the runner's draft call) collects the worker's tokens e_1..e_m.
    If every draft was accepted and the target's own next token equals e_1,
    the next step verifies e_2..e_m (the round stays in post-verify);
-   otherwise the next step verifies no draft: the target computes its own
-   next token while the worker drafts from the corrected sequence, and that
-   token checks the worker's first draft (pre-verify). No draft forward runs
-   in the engine's thread.
+   otherwise (pre-verify) the worker first drafts `pre_draft` tokens after
+   the corrected sequence while the engine waits (default 1), and the next
+   step verifies them; with `pre_draft: 0` (PEARL's own pre-verify) the next
+   step verifies no draft: the target computes its own next token while the
+   worker drafts from the corrected sequence, and that token checks the
+   worker's first draft. No draft forward runs in the engine's thread.
 
 The worker (on CPU a process of its own on a CPU the engine does not use; on
 GPU a thread with its own CUDA stream) runs the draft with PyTorch ops and its
