@@ -91,7 +91,7 @@ def _check_windows(pacer_llm, prompts: list[str]) -> None:
     assert stashes  # requests whose finish reached the worker before generate returned
     draft = data.load_causal_lm(REPO / "benchmarks" / "models" / "toy-draft")
 
-    def rel(ctx, hf, end):  # vLLM runs the draft in bfloat16, HF in float32: relative error
+    def rel(ctx, hf, end):  # vLLM's kernels against HF's float32: relative error
         ref = hf[end - len(ctx) : end]
         return float((ctx.float() - ref).abs().mean() / ref.abs().mean())
 
