@@ -52,6 +52,7 @@ def server():
         str(Path(sys.executable).parent / "vllm"), "serve", str(TARGET),
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
+        "--dtype", "float32",  # as the reference engine (tests/conftest.make_llm says why)
         "--speculative-config", json.dumps(spec_config(8)),
         "--additional-config", json.dumps({"adaptive_spec": {"policy": "svip"}}),
         "--worker-extension-cls", WORKER_EXTENSION,
