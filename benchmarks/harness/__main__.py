@@ -235,14 +235,16 @@ def check_same_tokens(results: list[dict], unscaled: Path, out: Path) -> None:
     if mine is None or not unscaled.exists():
         return
     ref = {r["cell"]["key"]: r for r in json.loads(unscaled.read_text())["cells"]}
-    checked, parted = {}, {}
+    checked, parted, target = {}, {}, None
     for row in mine["cells"]:
         key = row["cell"]["key"]
         if key not in ref or row["cell"]["temperature"] != 0.0:
             continue
         theirs = ref[key]
         diffs = [i for i, (a, b) in enumerate(zip(row["output_hashes"], theirs["output_hashes"])) if a != b]
-        found = [_parting(row["cell"]["workload"], i, theirs["_outputs"][i], row["_outputs"][i]) for i in diffs]
+        if diffs and target is None:
+            target = _unscaled_target()
+        found = [_parting(target, row["cell"]["workload"], i, theirs["_outputs"][i], row["_outputs"][i]) for i in diffs]
         parted[key] = found
         checked[key] = all(f["tie"] for f in found)
     record = {"against": str(unscaled), "cells": checked, "parted": parted}
@@ -256,16 +258,26 @@ def tie_tolerance(top: float) -> float:
     return 2.0 * 2.0 ** (math.floor(math.log2(max(abs(top), 1e-30))) - 7)
 
 
-def _parting(workload: str, prompt: int, ref: list[int], other: list[int]) -> dict:
+def _unscaled_target() -> tuple:
+    """The bundled toy target in float32 and its tokenizer, from the repository only."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.paths import MODELS
+    from vllm_adaptive_spec.training.data import load_causal_lm
+
+    path = MODELS / "toy-target"
+    return load_causal_lm(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _parting(target: tuple, workload: str, prompt: int, ref: list[int], other: list[int]) -> dict:
     """Where two greedy outputs of one prompt part, and the unscaled target's float32 margin there."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.paths import MODELS, load_prompts
+    from benchmarks.paths import load_prompts
 
+    model, tok = target
     pos = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
-    model = AutoModelForCausalLM.from_pretrained(MODELS / "toy-target", dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(MODELS / "toy-target")(load_prompts(workload)[prompt]).input_ids
+    ids = tok(load_prompts(workload)[prompt]).input_ids
     with torch.no_grad():
         logits = model(torch.tensor([ids + ref[:pos]])).logits[0, -1]  # [V]
     top2 = logits.topk(2).values.tolist()
