@@ -188,6 +188,9 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
             t = setting["threshold"]
             name = f"{policy} {t} (tuned on train, c={c:g})"
             configs.append(_plugin(name, policy, {"policy": policy, "threshold": t}, t))
+            if regime:  # the same rule with the batch gate on, deciding on the regime's costs (--costs)
+                gated = f"{policy} {t} gated (tuned on train, c={c:g})"
+                configs.append(_plugin(gated, policy, {"policy": policy, "threshold": t}, t, timed=True))
     if regime:
         configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs
@@ -357,6 +360,7 @@ def regime_plan() -> Plan:
         "specdecpp th=0.8 (head default)",
         "pacer (layer defaults)",
         "plugin fixed K=4",
+        "plugin fixed K=16",  # long verify passes: what the step-cost model charges them
         "batch gate alone",
         # the rules alone: their batch-1 cost without the gate's per-round work
         "svip (no batch gate)",

@@ -206,7 +206,9 @@ def test_eagle3_rows_and_their_regime_variant():
         assert gate == (c.timed and "no batch gate" not in c.name), c.name
     # the regime times each head with and without the gate and the tuned rows; no sweeps
     assert all(c.timed for c in regime)
-    assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned}
+    gated = {c.name.replace(" (tuned", " gated (tuned") for c in tuned}  # the tuned rules with the gate on
+    assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned} | gated
+    assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
 
 
@@ -246,6 +248,8 @@ def test_model_against_wall_clock_names_the_overhead():
     # t_T 2 ms, fixed spec-step cost 3 ms -> 0.50 t_T above a target step
     assert "c 4.00, speculative-step overhead above t_T 0.50 t_T" in part
     assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% |" in part
+    # + step cost: 2 prefills at t_T, 6 passes at 3 ms, 16 drafts at 0.5 ms: 32 ms of no speculation / 30 ms
+    assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% | 1.333 | 1.067 | +6.7% |" in part
 
 
 def test_scaled_copies_may_part_only_at_a_bfloat16_tie(tmp_path):
@@ -279,3 +283,9 @@ def test_scaled_copies_may_part_only_at_a_bfloat16_tie(tmp_path):
     parted = json.loads((tmp_path / "same_tokens.json").read_text())["parted"][cell["key"]]
     assert parted[0]["position"] == 0 and not parted[0]["tie"]
     assert parted[0]["margin"] == pytest.approx((top2.values[0] - top2.values[1]).item(), abs=1e-4)
+    # a speculative row of the scaled run is held to the same reference
+    spec = nospec(second) | {"config": _cfg("vLLM K=2", "vllm", "fixed K", 2)}
+    with pytest.raises(SystemExit, match="other tokens"):
+        check_same_tokens([nospec(first), spec], ref, tmp_path)
+    record = json.loads((tmp_path / "same_tokens.json").read_text())
+    assert record["parted"][cell["key"]] == [] and not record["rows"]["vLLM K=2"][cell["key"]][0]["tie"]
