@@ -129,15 +129,15 @@ def _c_for(cell: dict, ratios: dict[str, dict]) -> dict | None:
     return ratios[min(same)[1]] if same else None
 
 
-def _charged_speedup(row: dict, c: float, f: float, method: str = "draft_model") -> float:
+def _charged_speedup(row: dict, c: float, f: float, method: str = "draft_model", extra: float = 0.0) -> float:
     """S(c) charging the policy f draft steps' worth of time per draft forward: o = f (forwards/N_gen) / c,
-    in target steps (a draft step is 1/c of one). PEARL rows (`parallel`) draft beside the target: S with
-    ideal overlap (metrics.overlapped_speedup)."""
+    in target steps (a draft step is 1/c of one), plus `extra` target steps per generated token. PEARL
+    rows (`parallel`) draft beside the target: S with ideal overlap (metrics.overlapped_speedup)."""
     if row.get("parallel"):
         return overlapped_speedup(row["n_gen"], row["n_target"], drawn(row), c, row["parallel"].get("pre_drafted", 0))
     units = draft_units(row, method)
     o = f * units / row["n_gen"] / c if row["n_gen"] else 0.0
-    return modeled_speedup(row["n_gen"], row["n_target"], units, c, o)
+    return modeled_speedup(row["n_gen"], row["n_target"], units, c, o + extra)
 
 
 def _affine_speedup(row: dict, c: dict, f: float, method: str) -> float | None:
@@ -149,9 +149,8 @@ def _affine_speedup(row: dict, c: dict, f: float, method: str) -> float | None:
     if row.get("parallel") or cell["batch"] != 1 or not row["n_gen"]:
         return None
     over = c["t_spec_fixed_s"] / c["t_target_s"] - 1.0  # a speculative pass's cost above t_T, in t_T
-    units = draft_units(row, method)
-    o = (f * units / c["c"] + over * max(row["n_target"] - cell["n_prompts"], 0)) / row["n_gen"]
-    return modeled_speedup(row["n_gen"], row["n_target"], units, c["c"], o)
+    extra = over * max(row["n_target"] - cell["n_prompts"], 0) / row["n_gen"]
+    return _charged_speedup(row, c["c"], f, method, extra)
 
 
 def tabulate(results: list[dict]) -> dict[str, Any]:
