@@ -78,6 +78,24 @@ def environment() -> dict:
     return env
 
 
+def recorded_environment(out: Path, kept: bool) -> dict:
+    """The environment the report states. A rebuild (--report-only) or a resumed run keeps the one its
+    report.json recorded, where the timed rows were measured, and says when and where it was rebuilt."""
+    now = environment()
+    path = out / "report.json"
+    if not kept or not path.exists():
+        return now
+    env = json.loads(path.read_text()).get("environment")
+    if not env or "summary" not in env:
+        return now
+    first = env.get("measured", env["summary"])
+    return env | {
+        "measured": first,
+        "rebuilt": {k: now[k] for k in ("date", "commit", "cpu")},
+        "summary": f"{first} (report rebuilt from raw/ on {now['date']}, {now['cpu']}, commit {now['commit']})",
+    }
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.=]+", "_", name).strip("_")
 
@@ -147,6 +165,31 @@ def run_interleaved(configs: list[Config], plan: Plan, out: Path, group_size: in
         res["drift"] = drift  # no speculation's tokens/s in every group, run at different times
         path.write_text(json.dumps(res, indent=1) + "\n")
     return failed
+
+
+def _run_unless_done(config: Config, plan: Plan, out: Path, cells: list[Cell], resume: bool) -> list[str]:
+    """Run one configuration's worker on `cells` (skipped: no cells, or --resume and its raw file exists);
+    returns [its name] when it failed."""
+    if not cells or (resume and _raw(out, config).exists()):
+        return []
+    _, ok = run_config(config, plan, out, cells)
+    if ok:
+        return []
+    tqdm.write(f"FAILED: {config.name} (see {out / 'logs' / (slug(config.name) + '.log')})")
+    return [config.name]
+
+
+def save_timed_outputs(out: Path) -> None:
+    """Add the interleaved no-speculation rows' outputs (timed cells) to nospec_outputs.json, which the
+    oracle replays; the count cells' entries, written by no speculation's worker, stay."""
+    path, raw = out / "nospec_outputs.json", out / "raw" / "no_speculation.json"
+    if not raw.exists():
+        return
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    for row in json.loads(raw.read_text()).get("cells", []):
+        if row["cell"]["timed"] and row.get("_prompt_ids") is not None and row.get("_outputs") is not None:
+            saved[row["cell"]["key"]] = {"prompt_ids": row["_prompt_ids"], "outputs": row["_outputs"]}
+    path.write_text(json.dumps(saved))
 
 
 def _raw(out: Path, config: Config) -> Path:
@@ -367,20 +410,21 @@ def main() -> None:
     configs.sort(key=lambda c: {"nospec": 0, "oracle": 2}.get(c.kind, 1))
     failed = []
     if not args.report_only:
-        bar = tqdm(configs, desc="configurations", unit="cfg")
+        # the oracle replays no speculation's outputs: in interleaved runs it waits for the timed cells
+        late = [] if args.sequential else [c for c in configs if c.kind == "oracle"]
+        bar = tqdm([c for c in configs if c not in late], desc="configurations", unit="cfg")
         for config in bar:
             bar.set_postfix_str(config.name)
             cells = plan.cells_for(config)
             if not args.sequential and config.kind in ENGINE_KINDS:
                 cells = [c for c in cells if not c.timed]  # timed below, interleaved
-            if not cells or (args.resume and _raw(out, config).exists()):
-                continue
-            _, ok = run_config(config, plan, out, cells)
-            if not ok:
-                failed.append(config.name)
-                tqdm.write(f"FAILED: {config.name} (see {out / 'logs' / (slug(config.name) + '.log')})")
+            failed += _run_unless_done(config, plan, out, cells, args.resume)
         if not args.sequential:
             failed += run_interleaved(configs, plan, out, args.group_size, args.resume)
+            if late:
+                save_timed_outputs(out)
+            for config in late:
+                failed += _run_unless_done(config, plan, out, plan.cells_for(config), args.resume)
     names = {slug(c.name) for c in plan.configs}
     results = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json")) if p.stem in names]
     order = {c.name: i for i, c in enumerate(plan.configs)}
@@ -395,7 +439,8 @@ def main() -> None:
         title += f", drafter {args.drafter}"
     if scaled:
         title += f" (cost-scaled copies:{scaled.replace('_', ' ')})"
-    table = report.write(results, environment() | {"notes": plan.notes}, out, title)
+    env = recorded_environment(out, kept=args.report_only or args.resume)
+    table = report.write(results, env | {"notes": plan.notes}, out, title)
     print(report.headline(table))
     print(f"\nreport: {out / 'report.md'}")
     if failed:

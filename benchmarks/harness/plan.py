@@ -365,11 +365,13 @@ def regime_plan() -> Plan:
         # the rules alone: their batch-1 cost without the gate's per-round work
         "svip (no batch gate)",
         "confidence (no batch gate)",
+        "oracle",  # replays the timed cells' no-speculation outputs after they ran (counts only)
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
-    return Plan(configs, cells, notes=["regime: batch 1, greedy, timed cells only; counts are the cells' own"])
+    notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]
+    return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16), notes=notes)
 
 
 def pearl_plan() -> Plan:

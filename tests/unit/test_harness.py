@@ -289,3 +289,43 @@ def test_scaled_copies_may_part_only_at_a_bfloat16_tie(tmp_path):
         check_same_tokens([nospec(first), spec], ref, tmp_path)
     record = json.loads((tmp_path / "same_tokens.json").read_text())
     assert record["parted"][cell["key"]] == [] and not record["rows"]["vLLM K=2"][cell["key"]][0]["tie"]
+
+
+def test_timed_cells_show_the_oracles_gain_captured():
+    """A timed cell's replay gives the oracle's S beside the rows, and the share of its gain over the best
+    fixed K that the best adaptive row captures (the EAGLE-3 issue's second goal)."""
+    results = _results()
+    timed = _cell("timed", 1)
+    # S at c = 4: confidence 1 / (7/16 + 12/16/4) = 1.6; oracle 1 / (6/16 + 10/16/4) = 1.882; K=2 1.333
+    conf = _row(timed, 0.03, 7, n_draft=12, n_acc=9)
+    results.insert(3, {"config": _cfg("confidence", "plugin", "confidence"), "cells": [conf]})
+    results[-1]["replay"].append({"cell": timed, "k": 4, "oracle": True, "n_gen": 16, "n_target": 6, "n_draft": 10,
+                                  "n_accepted": 10})  # fmt: skip
+    md = report.markdown(report.tabulate(results), {"summary": "t"}, "t")
+    part = md.split("## Modeled speedup against the wall clock")[1]
+    assert "- oracle by S at measured c: 1.882 (cap K=4); confidence captures 49% of its gain over vLLM K=2" in part
+    assert "- oracle by S (+ step cost):" in part and "- oracle by S at c = 4: 1.882" in part
+    assert "regime: batch 1" in regime_plan().notes[0] and any(c.kind == "oracle" for c in regime_plan().configs)
+
+
+def test_oracle_reads_interleaved_outputs_and_rebuilds_keep_the_measured_environment(tmp_path):
+    from benchmarks.harness.__main__ import recorded_environment, save_timed_outputs
+
+    (tmp_path / "raw").mkdir()
+    timed, count = _cell("timed", 1), _cell("count", 8)
+    rows = [{"cell": timed, "_prompt_ids": [[1, 2]], "_outputs": [[3]]}, {"cell": count, "_prompt_ids": None}]
+    (tmp_path / "raw" / "no_speculation.json").write_text(json.dumps({"cells": rows}))
+    (tmp_path / "nospec_outputs.json").write_text(json.dumps({count["key"]: {"prompt_ids": [[9]], "outputs": [[8]]}}))
+    save_timed_outputs(tmp_path)
+    saved = json.loads((tmp_path / "nospec_outputs.json").read_text())
+    assert saved == {count["key"]: {"prompt_ids": [[9]], "outputs": [[8]]},
+                     timed["key"]: {"prompt_ids": [[1, 2]], "outputs": [[3]]}}  # fmt: skip
+
+    assert recorded_environment(tmp_path, kept=True)["summary"] != "Xeon run"  # nothing recorded yet
+    (tmp_path / "report.json").write_text(json.dumps({"environment": {"summary": "Xeon run", "cpu": "Xeon"}}))
+    env = recorded_environment(tmp_path, kept=True)
+    assert env["cpu"] == "Xeon" and env["summary"].startswith("Xeon run (report rebuilt from raw/ on ")
+    (tmp_path / "report.json").write_text(json.dumps({"environment": env}))
+    again = recorded_environment(tmp_path, kept=True)  # a second rebuild still names the first run once
+    assert again["summary"].count("Xeon run") == 1 and again["measured"] == "Xeon run"
+    assert recorded_environment(tmp_path, kept=False)["summary"] != env["summary"]
