@@ -4,8 +4,11 @@
 
 JOB holds the configuration, its cells and where the no-speculation outputs
 live (the oracle reads them). Each cell: a short warm-up, then `repeats`
-timed passes over its prompts, sent `batch` at a time (one `generate` call
-per group).
+timed passes over its prompts: a count cell or a batch-1 cell sends `batch`
+prompts at a time (one `generate` call per group); a timed cell of batch
+b > 1 serves them all at concurrency b (continuous batching: a request
+joins as soon as one finishes, as on a loaded server, instead of groups
+that wait for their slowest member).
 
 Counts are exact, and counted alike for every configuration: N_T is the
 number of target passes that generated tokens (the prefill pass included),
@@ -31,6 +34,7 @@ histogram.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -128,16 +132,38 @@ def request_counts(outs: list, speculative: bool) -> dict[str, int]:
     return out
 
 
+_served = itertools.count()
+
+
+def serve_at(llm, prompts: list[str], params: list, concurrency: int) -> list:
+    """Continuous batching at a fixed concurrency, as a server under steady load: `concurrency` requests
+    in flight, the next prompt joins as soon as one finishes. Returns the finished outputs in prompt order."""
+    engine, tag = llm.llm_engine, f"served{next(_served)}-"
+    done: dict[int, Any] = {}
+    queued = 0
+    while len(done) < len(prompts):
+        while queued < len(prompts) and queued - len(done) < concurrency:
+            engine.add_request(f"{tag}{queued}", prompts[queued], params[queued])
+            queued += 1
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.removeprefix(tag))] = out
+    return [done[i] for i in range(len(prompts))]
+
+
 class CellRun:
     """One cell on one engine, in steps a coordinator can interleave with other engines:
-    `CellRun(...)` warms up and snapshots the counters, `run_group(repeat, g)` times one
-    `generate` call over prompt group g, `finish()` returns the row."""
+    `CellRun(...)` warms up and snapshots the counters, `run_group(repeat, g)` times prompt group g,
+    `finish()` returns the row. A timed cell of batch b > 1 is one group served at concurrency b
+    (`serve_at`); any other cell runs one `generate` call of b prompts per group."""
 
     def __init__(self, llm, cell: Cell, kind: str):
         self.llm, self.cell, self.kind, self.plugin = llm, cell, kind, kind == "plugin"
         self.prompts = load_prompts(cell.workload, cell.n_prompts)
         self.params = [sampling_params(cell, i) for i in range(len(self.prompts))]
-        self.groups = [(i, min(i + cell.batch, len(self.prompts))) for i in range(0, len(self.prompts), cell.batch)]
+        self.served = cell.timed and cell.batch > 1
+        size = len(self.prompts) if self.served else cell.batch
+        self.groups = [(i, min(i + size, len(self.prompts))) for i in range(0, len(self.prompts), size)]
         llm.generate(self.prompts[:2], self.params[:2], use_tqdm=False)  # warm-up
         self.before, self.own0 = counters(llm), plugin_totals(llm) if self.plugin else {}
         self.seconds = [0.0] * cell.repeats
@@ -147,7 +173,10 @@ class CellRun:
     def run_group(self, repeat: int, g: int) -> float:
         lo, hi = self.groups[g]
         start = time.perf_counter()
-        outs = self.llm.generate(self.prompts[lo:hi], self.params[lo:hi], use_tqdm=False)
+        if self.served:
+            outs = serve_at(self.llm, self.prompts[lo:hi], self.params[lo:hi], self.cell.batch)
+        else:
+            outs = self.llm.generate(self.prompts[lo:hi], self.params[lo:hi], use_tqdm=False)
         took = time.perf_counter() - start
         self.seconds[repeat] += took
         if repeat == 0:
