@@ -7,10 +7,9 @@
 
 Two engines on the bundled pair (greedy, code prompts, `ignore_eos`, 96 tokens):
 - no speculation at batch n: every engine step is one target pass over n tokens;
-- the plugin's `fixed` policy at cap K and at cap 1 (time_policy on) at batch n: its clock splits
-  each step into the draft side (propose) and the rest, the target pass over
-  (N_T + N_D) / steps tokens plus sampling and bookkeeping: two speculative passes per batch size
-  (verify_ms_per_batch, the curves the batch gate reads).
+- the plugin's `fixed` policy at cap K (time_policy on) at batch n: its clock splits each
+  step into the draft side (propose) and the rest, the target pass over
+  (N_T + N_D) / steps tokens plus sampling and bookkeeping.
 Writes costs.json (the file `adaptive_spec.costs` reads: draft_step_ms per request count,
 verify_ms per token count; medians of repeats) and raw.json beside it.
 """
@@ -28,7 +27,6 @@ from benchmarks.paths import REPO, load_prompts
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: collective_rpc with a function
 BATCHES = (1, 2, 4, 8, 16, 32)
-SHORT_K = 1  # the second cap the fixed policy runs at every batch size: two points per batch size
 MAX_TOKENS = 96
 
 
@@ -83,14 +81,13 @@ def measure(k: int, repeats: int, method: str = "draft_model", batch1_ks: tuple[
             raw["nospec"][n] = [1e3 * _generate(llm, prompts[:n]) / MAX_TOKENS for _ in range(repeats)]
     finally:
         vllm_run.close_llm(llm)
-    raw["short_k"], raw["plugin_short"] = SHORT_K, {}
-    for cap in (k, SHORT_K, *batch1_ks):
+    for cap in (k, *batch1_ks):
         llm = vllm_run.make_llm(cap, {"policy": "fixed", "time_policy": True}, method=method)
         try:
             _generate(llm, prompts[:2])
-            if cap in (k, SHORT_K):
+            if cap == k:
                 for n in BATCHES:
-                    raw["plugin" if cap == k else "plugin_short"][n] = _plugin_rows(llm, prompts[:n], cap, repeats)
+                    raw["plugin"][n] = _plugin_rows(llm, prompts[:n], k, repeats)
             else:
                 raw["batch1"][cap] = _plugin_rows(llm, prompts[:1], cap, repeats)
         finally:
@@ -99,27 +96,14 @@ def measure(k: int, repeats: int, method: str = "draft_model", batch1_ks: tuple[
 
 
 def curves(raw: dict) -> dict:
-    """The cost file: draft steps per request count; verify_ms over plain and speculative passes alike (as
-    every earlier file); and, where the fixed policy ran at two caps, each batch size's speculative passes
-    (`verify_ms_per_batch`, what the batch gate reads), with the extra batch-1 caps at batch 1."""
     med = statistics.median
-
-    def point(rows: list[dict]) -> list[float]:  # [tokens per pass, ms of everything but the draft side]
-        return [round(med(r["tokens_per_step"] for r in rows), 1), round(med(r["rest_ms"] for r in rows), 4)]
-
-    batch1 = [point(rows) for rows in raw.get("batch1", {}).values()]
     verify = [[n, round(med(ms), 4)] for n, ms in raw["nospec"].items()]
-    verify += [point(rows) for rows in raw["plugin"].values()] + batch1
+    verify += [
+        [round(med(r["tokens_per_step"] for r in rows), 1), round(med(r["rest_ms"] for r in rows), 4)]
+        for rows in [*raw["plugin"].values(), *raw.get("batch1", {}).values()]
+    ]
     draft = [[n, round(med(r["draft_step_ms"] for r in rows), 4)] for n, rows in raw["plugin"].items()]
-    out = {"draft_step_ms": sorted(draft), "verify_ms": sorted(verify)}
-    short = raw.get("plugin_short") or {}
-    if short:
-        out["verify_ms_per_batch"] = {
-            str(n): sorted([point(short[n]), point(rows)] + (batch1 if int(n) == 1 else []))
-            for n, rows in raw["plugin"].items()
-            if n in short
-        }
-    return out
+    return {"draft_step_ms": sorted(draft), "verify_ms": sorted(verify)}
 
 
 def main() -> None:

@@ -150,28 +150,3 @@ def test_no_hold_below_the_minimum_batch():
     gate = _gate(1)
     assert not gate.after_step([_top(0.8)], [True], [True], [1], t=0)  # as in the hand-computed case
     assert not gate.one_step_round(1)
-
-
-def test_gate_reads_the_speculative_curve_measured_nearest_its_batch_size(tmp_path):
-    """A cost file's verify_ms_per_batch (speculative passes per request count) replaces the plain curve
-    in the gate's arithmetic: at 4 rows the gate reads the 4-request curve, at 3 the nearest (4), and it
-    falls back to verify_ms without one. Bad per-batch curves fail at start-up, naming the field."""
-    import json
-
-    from vllm_adaptive_spec.policies.costs import StepCosts, load_costs
-
-    doc = COSTS | {"verify_ms_per_batch": {"1": [[2, 10.0], [9, 17.0]], "4": [[8, 20.0], [36, 48.0]]}}
-    path = tmp_path / "costs.json"
-    path.write_text(json.dumps(doc))
-    costs = StepCosts(load_costs(str(path)))
-    assert costs.verify_list(12, 4)[8:13] == pytest.approx([20.0, 21.0, 22.0, 23.0, 24.0])
-    assert costs.verify_list(12, 3)[12] == pytest.approx(24.0)  # log-nearest of 1 and 4: 4
-    assert costs.verify_list(3, 1)[3] == pytest.approx(11.0)
-    assert costs.verify_list(4)[4] == pytest.approx(4.0)  # no batch size: the plain curve, 2 + 0.5 x
-    gate = BatchGate(load_costs(str(path)))
-    gate.start_round(["a", "b", "c", "d"], 8)
-    assert gate._verify[8] == pytest.approx(20.0)
-    for bad in ({"4": [[8, -1.0]]}, {"0": [[8, 1.0]]}, {"x": [[8, 1.0]]}, [[8, 1.0]]):
-        path.write_text(json.dumps(COSTS | {"verify_ms_per_batch": bad}))
-        with pytest.raises(ConfigError, match=r"adaptive_spec.costs"):
-            load_costs(str(path))

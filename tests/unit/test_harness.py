@@ -345,25 +345,3 @@ def test_learned_rules_label_each_chain_up_to_its_first_disagreement():
     x = chains.inputs(state=True, q=True, target=True)
     assert x.shape == (3, CAP, 2 + 3 + 4)  # target's (log max, entropy), (log q_max, H, t), the state
     assert torch.equal(x[:, :, :2], torch.tensor([-0.1, 0.2]).expand(3, CAP, 2))
-
-
-def test_step_costs_give_each_batch_size_its_speculative_curve():
-    """benchmarks.step_costs: the fixed policy at two caps per batch size gives two speculative-pass points
-    per batch size (verify_ms_per_batch), the extra batch-1 caps join batch 1's; verify_ms keeps every point."""
-    from benchmarks.step_costs import curves
-
-    def rows(tokens: float, rest: float, draft: float = 1.0) -> list[dict]:
-        return [{"tokens_per_step": tokens, "rest_ms": rest, "draft_step_ms": draft}] * 3
-
-    raw = {
-        "nospec": {1: [2.0, 2.0, 2.0], 4: [3.0, 3.0, 3.0]},
-        "plugin": {1: rows(9.0, 5.0), 4: rows(36.0, 9.0, 1.5)},
-        "plugin_short": {1: rows(2.0, 3.0), 4: rows(8.0, 4.0)},
-        "batch1": {4: rows(5.0, 4.0)},
-    }
-    out = curves(raw)
-    assert out["draft_step_ms"] == [[1, 1.0], [4, 1.5]]
-    assert out["verify_ms_per_batch"] == {"1": [[2.0, 3.0], [5.0, 4.0], [9.0, 5.0]], "4": [[8.0, 4.0], [36.0, 9.0]]}
-    assert [1, 2.0] in out["verify_ms"] and [36.0, 9.0] in out["verify_ms"] and [8.0, 4.0] not in out["verify_ms"]
-    del raw["plugin_short"]
-    assert "verify_ms_per_batch" not in curves(raw)  # an earlier raw.json: the file as before

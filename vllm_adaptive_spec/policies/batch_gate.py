@@ -18,12 +18,10 @@ s_i is the running product of the acceptance estimates of `acceptance.py`
 (read off the draft distributions, fitted online from what the target
 accepted); p_i(t + 1) is estimated from row i's last distribution with the
 intercept of the next position. D(n) and V(x) are the measured cost curves
-(`costs.py`; V is the speculative passes' curve measured nearest n where the
-cost file has one: a plain pass's curve prices verification too cheap).
-The gate only ever ends a round early, for all rows at once: every draft
-it leaves in place was kept by the row's own policy, and the decision to
-stop after a kept draft may depend on it (a stopping time, ALGORITHMS.md),
-so sampling stays lossless.
+(`costs.py`). The gate only ever ends a round early, for all rows at once:
+every draft it leaves in place was kept by the row's own policy, and the
+decision to stop after a kept draft may depend on it (a stopping time,
+ALGORITHMS.md), so sampling stays lossless.
 
 Once the rule ends a round of at least HOLD_MIN_ROWS rows after its first
 step while rows still wanted to draft, the next HOLD_ROUNDS - 1 rounds of at
@@ -99,7 +97,7 @@ class BatchGate:
         self._features, self._preds = [[] for _ in range(n)], [[] for _ in range(n)]
         self._surv, self._gain = [1.0] * n, float(n)
         self._draft_ms = self.costs.draft(n)
-        self._verify = self.costs.verify_list(n * (cap + 1), n)
+        self._verify = self.costs.verify_list(n * (cap + 1))
 
     def after_step(self, top: list[float], kept: list[bool], drafting: list[bool], lengths: list[int], t: int) -> bool:
         """After draft step t, per row: top = log q_max of the step's distribution (`draft_top`), kept =

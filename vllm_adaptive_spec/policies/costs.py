@@ -2,13 +2,8 @@
 
 A cost file is JSON: {"draft_step_ms": [[requests, ms], ...], "verify_ms": [[tokens, ms], ...]},
 one draft forward of the whole batch per request count, one target pass (with sampling and the
-engine's bookkeeping) per token count. Optionally "verify_ms_per_batch": {"requests": [[tokens, ms],
-...], ...}: speculative passes measured at that many requests. A pass that verifies drafts costs more
-per token than a plain one (the target's logits and rejection sampling cover every draft, not only
-the last position), and at a given token count it costs more with more requests; where the file has
-these curves the batch gate reads the one measured nearest its batch size. `python -m
-benchmarks.step_costs` measures all of them through vLLM. Sizes between points interpolate
-linearly, past the last two extrapolate linearly.
+engine's bookkeeping) per token count. `python -m benchmarks.step_costs` measures them through
+vLLM. Sizes between points interpolate linearly, past the last two extrapolate linearly.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import torch
 from vllm_adaptive_spec.errors import ConfigError
 
 FIELD = "adaptive_spec.costs"
-PER_BATCH = "verify_ms_per_batch"
 
 # Measured on the 2-core CPU with the bundled toy pair (vLLM's bfloat16), 2026-11-23:
 # `python -m benchmarks.step_costs` (benchmarks/results/step_costs/costs.json, rounded).
@@ -52,19 +46,15 @@ def load_costs(path: str | None) -> dict[str, list[list[float]]]:
     try:
         doc = json.loads(Path(path).read_text())
         curves = {k: [[float(x), float(y)] for x, y in doc[k]] for k in ("draft_step_ms", "verify_ms")}
-        per_batch = {str(int(n)): [[float(x), float(y)] for x, y in pts] for n, pts in doc.get(PER_BATCH, {}).items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{FIELD}: {str(path)!r} is not a cost file with draft_step_ms and verify_ms curves "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
-    named = {**curves, **{f"{PER_BATCH}[{n}]": pts for n, pts in per_batch.items()}}
-    for k, pts in named.items():
+    for k, pts in curves.items():
         if not pts or any(not (x >= 1 and math.isfinite(x) and y >= 0 and math.isfinite(y)) for x, y in pts):
             raise ConfigError(f"{FIELD}: {str(path)!r}: {k} needs [size >= 1, ms >= 0] points, got {pts}")
-    if any(int(n) < 1 for n in per_batch):
-        raise ConfigError(f"{FIELD}: {str(path)!r}: {PER_BATCH} needs request counts >= 1, got {sorted(per_batch)}")
-    return {**curves, PER_BATCH: per_batch} if per_batch else curves
+    return curves
 
 
 def curve(points: list, sizes: torch.Tensor) -> torch.Tensor:
@@ -89,7 +79,7 @@ class StepCosts:
         self.curves = curves
         self._verify: dict[int, torch.Tensor] = {}
         self._draft: dict[int, float] = {}
-        self._verify_list: dict[tuple[int, str | None], list[float]] = {}
+        self._verify_list: dict[int, list[float]] = {}
 
     def draft(self, n_rows: int) -> float:
         if n_rows not in self._draft:
@@ -103,12 +93,8 @@ class StepCosts:
             self._verify[key] = curve(self.curves["verify_ms"], torch.arange(max_tokens + 1)).float().to(device)
         return self._verify[key]
 
-    def verify_list(self, max_tokens: int, n_rows: int | None = None) -> list[float]:
-        """A pass over 0..max_tokens tokens as a host list, for the gate's arithmetic: with n_rows and
-        per-batch curves, the speculative passes measured at the batch size nearest n_rows (in ratio)."""
-        per_batch = self.curves.get(PER_BATCH) if n_rows else None
-        key = (max_tokens, min(per_batch, key=lambda m: abs(math.log(int(m) / n_rows))) if per_batch else None)
-        if key not in self._verify_list:
-            points = per_batch[key[1]] if key[1] else self.curves["verify_ms"]
-            self._verify_list[key] = curve(points, torch.arange(max_tokens + 1)).tolist()
-        return self._verify_list[key]
+    def verify_list(self, max_tokens: int) -> list[float]:
+        """`verify_table` as a host list, for the gate's arithmetic."""
+        if max_tokens not in self._verify_list:
+            self._verify_list[max_tokens] = self.verify_table(max_tokens).tolist()
+        return self._verify_list[max_tokens]
