@@ -182,14 +182,12 @@ def _run_unless_done(config: Config, plan: Plan, out: Path, cells: list[Cell], r
 def save_timed_outputs(out: Path) -> None:
     """Add the interleaved no-speculation rows' outputs (timed cells) to nospec_outputs.json, which the
     oracle replays; the count cells' entries, written by no speculation's worker, stay."""
-    path, raw = out / "nospec_outputs.json", out / "raw" / "no_speculation.json"
-    if not raw.exists():
-        return
-    saved = json.loads(path.read_text()) if path.exists() else {}
-    for row in json.loads(raw.read_text()).get("cells", []):
-        if row["cell"]["timed"] and row.get("_prompt_ids") is not None and row.get("_outputs") is not None:
-            saved[row["cell"]["key"]] = {"prompt_ids": row["_prompt_ids"], "outputs": row["_outputs"]}
-    path.write_text(json.dumps(saved))
+    from benchmarks.harness.worker import save_nospec_outputs
+
+    raw = out / "raw" / "no_speculation.json"
+    if raw.exists():
+        rows = [r for r in json.loads(raw.read_text()).get("cells", []) if r["cell"]["timed"]]
+        save_nospec_outputs(out / "nospec_outputs.json", rows)
 
 
 def _raw(out: Path, config: Config) -> Path:

@@ -353,17 +353,23 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def best_of_kinds(rows: list[dict]) -> list[str]:
-    """One line per metric: the best fixed K (vLLM's), vllm_av and the best adaptive plugin
-    configuration among rows of one cell (the batch-aware goal compares these three), on one drafter."""
+def row_kinds(rows: list[dict]) -> dict[str, list[dict]]:
+    """One cell's rows on one drafter (the fixed-K rows'), by kind: vLLM's fixed K, vllm_av, and the
+    adaptive plugin configurations (not vllm_av, not the plugin's own fixed K)."""
     if rows:
         method = next((r["method"] for r in rows if r["family"] == "fixed K"), rows[0].get("method"))
         rows = [r for r in rows if r.get("method", method) == method]
-    kinds = {
+    return {
         "fixed K": [r for r in rows if r["family"] == "fixed K"],
         "vllm_av": [r for r in rows if r["family"] == "vllm_av"],
         "adaptive": [r for r in rows if r["kind"] == "plugin" and r["family"] not in ("vllm_av", "plugin fixed")],
     }
+
+
+def best_of_kinds(rows: list[dict]) -> list[str]:
+    """One line per metric: the best fixed K (vLLM's), vllm_av and the best adaptive plugin
+    configuration among rows of one cell (the batch-aware goal compares these three), on one drafter."""
+    kinds = row_kinds(rows)
     lines = []
     for metric, label in (("S_measured_c", "S at measured c"), ("S_c4", "S at c = 4"), ("speedup_vs_no_spec", "wall")):
         best = {k: best_by(v, metric) for k, v in kinds.items()}
@@ -376,15 +382,12 @@ def best_of_kinds(rows: list[dict]) -> list[str]:
 def oracle_share_lines(rows: list[dict], replay: list[dict]) -> list[str]:
     """Per S column: the oracle (best cap) and the share of its gain over the best fixed K that the best
     adaptive configuration captures, (S_adaptive - S_fixed) / (S_oracle - S_fixed), among one cell's rows."""
-    kinds = {
-        "fixed": [r for r in rows if r["family"] == "fixed K"],
-        "adaptive": [r for r in rows if r["kind"] == "plugin" and r["family"] not in ("vllm_av", "plugin fixed")],
-        "oracle": [o for o in replay if o["oracle"]],
-    }
+    kinds = row_kinds(rows)
+    oracle = [o for o in replay if o["oracle"]]
     lines = []
     columns = (("S_measured_c", "S at measured c"), ("S_step_fit", "S (+ step cost)"), ("S_c4", "S at c = 4"))
     for metric, label in columns:
-        fixed, adaptive, orc = (best_by(v, metric) for v in kinds.values())
+        fixed, adaptive, orc = (best_by(v, metric) for v in (kinds["fixed K"], kinds["adaptive"], oracle))
         if not (fixed and adaptive and orc):
             continue
         gain = orc[metric] - fixed[metric]

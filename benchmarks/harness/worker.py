@@ -328,6 +328,16 @@ def dflash_runs(prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[l
     return runs
 
 
+def save_nospec_outputs(path: Path, rows: list[dict]) -> None:
+    """Add no speculation's prompt ids and outputs per cell (rows that carry them) to the file the oracle
+    replays; entries of other cells stay."""
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    for r in rows:
+        if r.get("_prompt_ids") is not None and r.get("_outputs") is not None:
+            saved[r["cell"]["key"]] = {"prompt_ids": r["_prompt_ids"], "outputs": r["_outputs"]}
+    path.write_text(json.dumps(saved))
+
+
 def run_oracle(cells: list[Cell], nospec_outputs: Path, ks: list[int], method: str = "draft_model") -> list[dict]:
     """Target greedy output + the drafter's greedy predictions: the oracle and the fixed-K replay.
     A draft model is read teacher-forced in one pass; an EAGLE-3 head is unrolled from every position."""
@@ -378,10 +388,7 @@ def main() -> None:
     else:
         result["cells"] = run_engine(config, cells)
         if config.kind == "nospec":
-            saved = {
-                r["cell"]["key"]: {"prompt_ids": r["_prompt_ids"], "outputs": r["_outputs"]} for r in result["cells"]
-            }
-            Path(job["nospec_outputs"]).write_text(json.dumps(saved))
+            save_nospec_outputs(Path(job["nospec_outputs"]), result["cells"])
         for r in result["cells"]:
             r.pop("_outputs"), r.pop("_prompt_ids")
     out.write_text(json.dumps(result, indent=1) + "\n")
