@@ -96,6 +96,11 @@ def recorded_environment(out: Path, kept: bool) -> dict:
     }
 
 
+def chosen(name: str, pattern: str) -> bool:
+    """--only: a configuration whose name contains the pattern, or is it exactly ('=name')."""
+    return name == pattern[1:] if pattern.startswith("=") else pattern in name
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.=]+", "_", name).strip("_")
 
@@ -336,7 +341,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="every configuration, workload and batch size")
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results/harness[_short])")
-    ap.add_argument("--only", nargs="*", help="run only configurations whose name contains one of these")
+    ap.add_argument(
+        "--only", nargs="*", help="run only configurations whose name contains one of these ('=name': exactly)"
+    )
     ap.add_argument("--resume", action="store_true", help="keep results of configurations already run")
     ap.add_argument("--report-only", action="store_true", help="rebuild the report from the raw results")
     ap.add_argument(
@@ -403,7 +410,7 @@ def main() -> None:
     if not (unscaled / "raw" / "no_speculation.json").exists():
         unscaled = base
     out.mkdir(parents=True, exist_ok=True)
-    configs = [c for c in plan.configs if not args.only or any(o in c.name for o in args.only)]
+    configs = [c for c in plan.configs if not args.only or any(chosen(c.name, o) for o in args.only)]
     # no speculation first (the others compare with it), the oracle last (it replays its outputs)
     configs.sort(key=lambda c: {"nospec": 0, "oracle": 2}.get(c.kind, 1))
     failed = []

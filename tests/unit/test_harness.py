@@ -345,3 +345,18 @@ def test_learned_rules_label_each_chain_up_to_its_first_disagreement():
     x = chains.inputs(state=True, q=True, target=True)
     assert x.shape == (3, CAP, 2 + 3 + 4)  # target's (log max, entropy), (log q_max, H, t), the state
     assert torch.equal(x[:, :, :2], torch.tensor([-0.1, 0.2]).expand(3, CAP, 2))
+
+
+def test_only_matches_by_substring_or_exactly():
+    from benchmarks.harness.__main__ import chosen
+
+    assert chosen("pearl K=2 branches=1", "pearl K=2") and not chosen("pearl K=2 branches=1", "=pearl K=2")
+    assert chosen("pearl K=2", "=pearl K=2")
+
+
+def test_pearl_plan_has_second_guess_rows():
+    from benchmarks.harness.plan import pearl_plan
+
+    rows = {c.name: c for c in pearl_plan().configs}
+    assert rows["pearl K=2 branches=1"].adaptive == {"policy": "pearl", "branches": 1}
+    assert all(c.batch == 1 for c in pearl_plan().cells)
