@@ -396,20 +396,6 @@ def pearl_plan() -> Plan:
     configs += [
         Config(f"pearl K={k} pre_draft=0", "plugin", "pearl pre_draft=0", k, own, sweep=k, timed=True) for k in (2, 4)
     ]
-    # second guesses: the draft's idle time after its K + 1 drafts goes to its runner-up token where the
-    # target most likely parts from the chain, so that a step after such a rejection need not wait; late
-    # drafts: the drafts after a rejection are made while vLLM processes the step's output
-    variants = {
-        "branches=1": {"branches": 1},
-        "branches=2": {"branches": 2},
-        "late_drafts=1": {"late_drafts": 1},
-        "late_drafts=1 branches=1": {"late_drafts": 1, "branches": 1},
-    }
-    configs += [
-        Config(f"pearl K={k} {name}", "plugin", "pearl variant", k, {"policy": "pearl", **v}, sweep=k, timed=True)
-        for k in (2, 3)
-        for name, v in variants.items()
-    ]
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     return Plan(configs, cells, notes=["pearl: batch 1, greedy, timed cells only; counts are the cells' own"])
 

@@ -517,12 +517,11 @@ def parallel_section(table: dict[str, Any]) -> list[str]:
         "draft. Wasted drafts: drafts computed and never accepted, per generated token. S at c = 4 with ideal "
         "overlap (a GPU-like regime, draft and target on separate hardware): each step costs the longer of one "
         "target pass and its parallel drafts / c, plus 1/c per draft made while the target waited (pre_draft); "
-        "sequential rows' S columns charge their drafts after the target instead. Second guesses (`branches`): "
-        "drafted and used (the target chose the draft's runner-up there) per step.",
+        "sequential rows' S columns charge their drafts after the target instead.",
         "",
         "| config | cell | wall clock vs no spec | tau | drafts verified per step | wasted drafts per token "
-        "| S c=4, ideal overlap | step ms | draft busy ms | draft idle | target wait | second guesses per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S c=4, ideal overlap | step ms | draft busy ms | draft idle | target wait |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["parallel"]
@@ -531,14 +530,9 @@ def parallel_section(table: dict[str, Any]) -> list[str]:
             f"{r['n_gen'] / r['n_target']:.2f} | {r['n_draft'] / r['n_target']:.2f} | "
             f"{(r['n_drawn'] - r['n_accepted']) / r['n_gen']:.2f} | {r['S_c4']:.2f} | "
             f"{p['step_ms']:.2f} | {p['draft_busy_ms']:.2f} | "
-            f"{p['draft_idle_frac']:.0%} | {p['target_wait_frac']:.0%} | {_per_step(p, 'branches')} / "
-            f"{_per_step(p, 'branch_hits')} |"
+            f"{p['draft_idle_frac']:.0%} | {p['target_wait_frac']:.0%} |"
         )
     return lines
-
-
-def _per_step(timeline: dict[str, float], key: str) -> str:
-    return f"{timeline.get(key, 0) / timeline['steps']:.2f}" if timeline.get("steps") else "-"
 
 
 def _batch(key: str) -> int:

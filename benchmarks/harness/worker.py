@@ -47,7 +47,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: co
 from benchmarks import vllm_run  # noqa: E402  (sets vLLM's environment first)
 from benchmarks.harness.plan import Cell, Config, is_pearl  # noqa: E402
 from benchmarks.paths import load_prompts  # noqa: E402
-from vllm_adaptive_spec.parallel_draft import TIMELINE_SUMS, fractions  # noqa: E402
+from vllm_adaptive_spec.parallel_draft import fractions  # noqa: E402
 
 
 def token_hash(ids: list[int]) -> str:
@@ -86,7 +86,9 @@ def plugin_totals(llm) -> dict[str, Any]:
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
     out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
-    parallel = dict.fromkeys(TIMELINE_SUMS, 0.0)
+    parallel = dict.fromkeys(
+        ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s", "pre_drafted"), 0.0
+    )
     for snap in get_stats(llm):
         for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn"):
             out[key] += snap["workload"][key]

@@ -350,13 +350,5 @@ def test_learned_rules_label_each_chain_up_to_its_first_disagreement():
 def test_only_matches_by_substring_or_exactly():
     from benchmarks.harness.__main__ import chosen
 
-    assert chosen("pearl K=2 branches=1", "pearl K=2") and not chosen("pearl K=2 branches=1", "=pearl K=2")
+    assert chosen("pearl K=2 pre_draft=0", "pearl K=2") and not chosen("pearl K=2 pre_draft=0", "=pearl K=2")
     assert chosen("pearl K=2", "=pearl K=2")
-
-
-def test_pearl_plan_has_second_guess_rows():
-    from benchmarks.harness.plan import pearl_plan
-
-    rows = {c.name: c for c in pearl_plan().configs}
-    assert rows["pearl K=2 branches=1"].adaptive == {"policy": "pearl", "branches": 1}
-    assert all(c.batch == 1 for c in pearl_plan().cells)

@@ -14,20 +14,7 @@ import torch
 
 from benchmarks.paths import DRAFTERS
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
-from vllm_adaptive_spec.parallel_draft import (
-    LATE,
-    Branch,
-    DenseDraft,
-    DraftProcess,
-    DraftThread,
-    Pace,
-    Timeline,
-    branch_points,
-    draft_round,
-    fractions,
-    free_cpus,
-    pick_line,
-)
+from vllm_adaptive_spec.parallel_draft import DenseDraft, DraftProcess, DraftThread, Timeline, fractions, free_cpus
 from vllm_adaptive_spec.policies.pearl import PearlPolicy
 
 DRAFT = DRAFTERS["draft_model"]
@@ -172,119 +159,6 @@ def test_draft_process_drafts_what_the_dense_draft_drafts():
         proc.close()
 
 
-def test_branch_points_by_hand():
-    """seq ends with k = 2 drafts (7, 8) at positions 3, 4; the chain goes on with 9 at position 5. Parting
-    at 0 with runner-up 70: 0.3; at 1 (7 kept, 80): 0.6 * 0.2 = 0.12; at 2 (after 7, 8: 90): 0.6 * 0.5 *
-    0.5 = 0.15."""
-    seq = [1, 2, 3, 7, 8]
-    guess = {3: (7, 0.6, 70, 0.3), 4: (8, 0.5, 80, 0.2), 5: (9, 0.5, 90, 0.5)}
-    assert branch_points(guess, seq, 2, 1) == [(0, 70)]
-    assert branch_points(guess, seq, 2, 3) == [(0, 70), (2, 90), (1, 80)]
-    assert branch_points(guess, seq, 0, 2) == [(0, 90)]  # no draft verified: only the target's next token
-    guess[4] = (6, 0.5, 80, 0.2)  # position 4 is not the draft's own choice: no parting past it
-    assert branch_points(guess, seq, 2, 3) == [(0, 70), (1, 80)]
-    del guess[3]
-    assert branch_points(guess, seq, 2, 3) == []  # nothing recorded where the drafts start
-
-
-def test_pick_line_takes_the_longest_shared_prefix():
-    assert pick_line([[1, 2, 3], [1, 2, 9, 9]], [1, 2, 9, 9, 4]) == (1, 4)
-    assert pick_line([[1, 2, 3], [1, 2, 9]], [1, 2, 3]) == (0, 2)  # never the last token: its logits are wanted
-    assert pick_line([[], []], [5, 6]) == (0, 0)
-
-
-def test_draft_round_drafts_second_guesses_on_their_own_lines():
-    """The chain is what one line drafts alone; each second guess is the draft's greedy continuation after
-    its runner-up, on another line; a stop before the branches leaves them out."""
-    context = _ids(22, seed=7)
-    main = DenseDraft.load(DRAFT, 96)
-    main.guess = {}
-    lines = [main, main.fork(), main.fork()]
-    k = 2
-    seq = context + main.continue_greedy(context, k)  # the round before drafted the two drafts verified now
-    late = Pace()
-    late.job_done(k, 0.0, 1e6)  # the engine asks far later than any forward takes
-    ahead, branches = draft_round(lines, 0, seq, k, 3, stop=lambda: False, pace=late)
-    assert ahead == DenseDraft.load(DRAFT, 96).continue_greedy(seq, 3)
-    assert [(b.at, b.alt) for b in branches] == branch_points(main.guess, seq, k, 2) and len(branches) == 2
-    for b, line in zip(branches, lines[1:]):
-        branch_seq = seq[: len(seq) - k + b.at] + [b.alt]
-        assert b.tokens == DenseDraft.load(DRAFT, 96).continue_greedy(branch_seq, 2)
-        assert line.tokens == branch_seq + b.tokens[:-1]
-    assert draft_round(lines, 0, seq, k, 3, stop=lambda: True, pace=late)[1] == []
-    assert draft_round(lines, 0, seq, k, 3, stop=None, pace=late)[1] == []  # drafting all n (pre_draft): none
-    soon = Pace()
-    soon.job_done(k, 0.0, 0.0)  # the engine asks at once: no forward fits
-    assert draft_round(lines, 0, seq, k, 3, stop=lambda: False, pace=soon)[1] == []
-
-
-def test_a_late_job_drafts_its_least_then_only_what_fits():
-    """After a rejection (least > 0): `least` drafts even when the engine already asks, then more only
-    while a forward ends before the late jobs' earliest ask; never a second guess."""
-    seq = _ids(18, seed=9)
-    want = DenseDraft.load(DRAFT, 64).continue_greedy(seq, 4)
-    main = DenseDraft.load(DRAFT, 64)
-    main.guess = {}
-    lines = [main, main.fork()]
-    assert draft_round(lines, 0, seq, 0, 4, stop=lambda: True, pace=Pace(), least=2) == (want[:2], [])
-    assert draft_round(lines, 0, seq, 0, 4, stop=lambda: False, pace=Pace(), least=1) == (want[:1], [])  # no history
-    late = Pace()
-    late.job_done(LATE, 0.0, 1e6)
-    late.forwards(0.001, 1)
-    assert draft_round(lines, 0, seq, 0, 4, stop=lambda: False, pace=late, least=1) == (want, [])
-    step = Pace()
-    step.job_done(0, 0.0, 1e6)  # a step's job history says nothing about when late drafts are taken
-    step.forwards(0.001, 1)
-    assert draft_round(lines, 0, seq, 0, 4, stop=lambda: False, pace=step, least=1) == (want[:1], [])
-
-
-def test_pace_by_hand():
-    """A forward fits when it ends before the earliest ask of the recent jobs verifying as many drafts
-    (of any job when none did); no history or no forward time: nothing fits."""
-    pace = Pace(keep=2)
-    now = time.perf_counter()
-    assert not pace.fits(1, now)
-    pace.forwards(0.030, 3)  # 10 ms a forward
-    assert not pace.fits(1, now)  # when the engine asks is not known yet
-    pace.job_done(2, 0.0, 0.050)
-    assert pace.fits(1, now, 2.0) and not pace.fits(1, now, 6.0)  # k = 1 falls back to every job: 50 ms
-    pace.job_done(1, 0.0, 0.005)
-    assert not pace.fits(1, now)  # k = 1 asked after 5 ms
-    pace.job_done(1, 0.0, 0.100)
-    pace.job_done(1, 0.0, 0.100)  # only the last `keep` jobs count
-    assert pace.fits(1, now, 5.0)
-    pace.forwards(0.020, 1)
-    assert pace.forward_s == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)
-
-
-def test_draft_process_answers_second_guesses_and_continues_on_their_line():
-    """A process with one second-guess line: its branch equals the local draft's, and a next job on the
-    branch's sequence drafts what a fresh draft drafts there (the line held the right tokens)."""
-    cpus = {max(os.sched_getaffinity(0))}
-    proc = DraftProcess(DRAFT, 96, torch.float32, cpus, branches=1)
-    try:
-        seq = _ids(20, seed=8)
-        proc.submit(np.asarray(seq), 3)
-        time.sleep(0.5)
-        first = proc.collect()  # no second guess: when the engine asks is not known yet
-        seq = seq + first[:2]  # the next step verifies two drafts
-        proc.submit(np.asarray(seq), 3, k=2)
-        time.sleep(0.5)  # the chain and the second guess are drafted before the engine asks
-        ahead = proc.collect()
-        assert ahead == DenseDraft.load(DRAFT, 96).continue_greedy(seq, 3)
-        (b,) = proc.branches
-        assert isinstance(b, Branch) and 0 <= b.at <= 2 and len(b.tokens) == 2
-        branch_seq = seq[: len(seq) - 2 + b.at] + [b.alt]
-        assert b.tokens == DenseDraft.load(DRAFT, 96).continue_greedy(branch_seq, 2)
-        assert proc.timeline.branches == 1 and proc.timeline.branch_drafts == 2
-        nxt = branch_seq + b.tokens  # the target chose the runner-up: the next step verifies the branch's drafts
-        proc.submit(np.asarray(nxt), 3, k=2)
-        time.sleep(0.5)
-        assert proc.collect() == DenseDraft.load(DRAFT, 96).continue_greedy(nxt, 3)
-    finally:
-        proc.close()
-
-
 def test_draft_process_reports_a_bad_checkpoint_at_start(tmp_path):
     with pytest.raises(RuntimeError, match="draft process: ValueError: .*no config.json"):
         DraftProcess(tmp_path, 64, torch.float32, None)
@@ -320,8 +194,6 @@ def test_pearl_config_errors():
         ({"policy": "pearl", "time_policy": True}, "adaptive_spec.time_policy: true does not combine"),
         ({"policy": "pearl", "draft_cpu": -1}, "adaptive_spec.draft_cpu"),
         ({"policy": "pearl", "pre_draft": 17}, "adaptive_spec.pre_draft: 17 is out of range"),
-        ({"policy": "pearl", "branches": 5}, "adaptive_spec.branches: 5 is out of range"),
-        ({"policy": "pearl", "late_drafts": 2}, "adaptive_spec.late_drafts: 2 is out of range"),
         ({"policy": "pearl", "draft_worker": "gpu"}, "adaptive_spec.draft_worker: 'gpu' is not one of"),
         ({"policy": "pearl", "threshold": 0.5}, "adaptive_spec.threshold: unknown field"),
     ]:

@@ -1,9 +1,8 @@
 """Every place where the plugin touches vLLM, in install order, with its reason.
 
 Each hook wraps one vLLM method and calls the original first (except the
-`_model_forward` and `take_draft_token_ids` hooks, whose work for policy
-`pearl` must happen just before the target's forward and just before the
-scheduler takes the drafts). For an engine whose `additional_config` has no
+`_model_forward` hook, whose work for policy `pearl` must start just before
+the target's forward). For an engine whose `additional_config` has no
 `adaptive_spec` key a hook does nothing else, so vLLM behaves exactly as
 without the plugin.
 
@@ -164,17 +163,6 @@ def _start_parallel_draft(original: Callable) -> Callable:
     return _model_forward
 
 
-def _finish_late_drafts(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def take_draft_token_ids(self, *args, **kwargs):
-        finish = getattr(getattr(self, "drafter", None), "before_drafts_taken", None)  # only pearl's proposer
-        if finish is not None:
-            finish()
-        return original(self, *args, **kwargs)
-
-    return take_draft_token_ids
-
-
 HOOKS: tuple[Hook, ...] = (
     Hook(
         "vllm.engine.arg_utils",
@@ -207,14 +195,6 @@ HOOKS: tuple[Hook, ...] = (
         "policy 'pearl': start drafting the next round on the draft thread just before the target's "
         "forward (its inputs are final there), so that the two run at the same time",
         _start_parallel_draft,
-    ),
-    Hook(
-        "vllm.v1.worker.gpu_model_runner",
-        "GPUModelRunner",
-        "take_draft_token_ids",
-        "policy 'pearl' (late_drafts): the drafts after a rejection are made while vLLM processes the "
-        "step's output, and go into the list the runner holds just before its scheduler takes them",
-        _finish_late_drafts,
     ),
 )
 

@@ -16,11 +16,7 @@ One engine step, batch 1 (the only batch `pearl` accepts):
    step verifies them; with `pre_draft: 0` (PEARL's own pre-verify) the next
    step verifies no draft: the target computes its own next token while the
    worker drafts from the corrected sequence, and that token checks the
-   worker's first draft. With `branches`, a job that has its K + 1 drafts
-   before step 3 asks drafts second guesses (the draft's runner-up where the
-   target most likely parts from the chain, and drafts after it); when the
-   target's token is one of them, the next step verifies its drafts at once.
-   No draft forward runs in the engine's thread.
+   worker's first draft. No draft forward runs in the engine's thread.
 
 The worker (on CPU a process of its own on a CPU the engine does not use; on
 GPU a thread with its own CUDA stream) runs the draft with PyTorch ops and its
@@ -70,32 +66,25 @@ class PearlProposer(AdaptiveDraftModelProposer):
         if worker == "process" and device.type != "cpu":
             raise ConfigError(f"adaptive_spec.draft_worker: 'process' runs on CPU only, this engine runs on {device}")
         if worker == "process":
-            self.drafts = DraftProcess(spec.model, self.max_len, dtype, cpus, self.policy.branches)
+            self.drafts = DraftProcess(spec.model, self.max_len, dtype, cpus)
         else:
-            draft = DenseDraft.load(spec.model, self.max_len, device, dtype)
-            self.drafts = DraftThread(draft, cpus, device, self.policy.branches)
+            self.drafts = DraftThread(DenseDraft.load(spec.model, self.max_len, device, dtype), cpus, device)
         self._step: tuple[str, np.ndarray] | None = None  # (request, the sequence the target runs) of the job
         self._last_req: str | None = None  # the request of the previous step
-        # a late job's drafts, filled in when the engine takes them: (the list handed to vLLM, its cap,
-        # the request, drafts drawn this step before it)
-        self._late: tuple[list[int], int, str, int] | None = None
         logger.info("vllm-adaptive-spec: pearl drafts in a %s on CPUs %s", worker, self.drafts.thread_cpus)
 
     def before_target_forward(self) -> None:
         """Hand the draft worker the sequence the target is about to run (one request decoding)."""
-        self.before_drafts_taken()  # a late job the engine never took (none reach here in vLLM 0.32)
         ib = self.runner.input_batch
         if ib.num_reqs != 1:
             return
-        computed, scheduled = int(ib.num_computed_tokens_cpu[0]), int(self.runner.query_start_loc.np[1])
-        end = computed + scheduled
+        end = int(ib.num_computed_tokens_cpu[0]) + int(self.runner.query_start_loc.np[1])
         if end < int(ib.num_prompt_tokens[0]):
             return  # a prefill chunk that samples nothing
         n = min(self.num_speculative_tokens + 1, self.max_len - end + 1)  # the draft's cache ends at max_model_len
         seq = ib.token_ids_cpu[0, :end].copy()
-        verified = scheduled - 1 if computed >= int(ib.num_prompt_tokens[0]) else 0  # a decode step's drafts
         try:
-            self.drafts.submit(seq, n, k=verified)
+            self.drafts.submit(seq, n)
         except Exception:  # e.g. the draft process is gone: this step runs without a job, never fails
             logger.exception("vllm-adaptive-spec: pearl could not start a draft job; this step has none")
             return
@@ -133,55 +122,20 @@ class PearlProposer(AdaptiveDraftModelProposer):
         limit = self._round_limits(req_ids, generated, num_speculative_tokens)[0]
         bonus = int(next_token_ids[0])
         all_accepted = generated[0] == drafted[0] + 1
-        drawn = len(ahead) + sum(len(b.tokens) for b in self.drafts.branches)
-        guessed = [b for b in self.drafts.branches if b.at == generated[0] - 1 and b.alt == bonus]
         if all_accepted and bonus == ahead[0]:
-            draft = ahead[1 : 1 + limit]
-        elif guessed:  # the target chose the draft's runner-up where a second guess was drafted
-            draft = guessed[0].tokens[:limit]
-            self.drafts.timeline.branch_hits += 1
-        elif self.policy.late_drafts and self.policy.pre_draft and limit:
-            draft = []  # filled in by before_drafts_taken, when the scheduler needs it
-            corrected = self._corrected(step[1], drafted[0], generated[0] - 1, bonus)
-            try:
-                self.drafts.submit(corrected, limit, least=min(self.policy.pre_draft, limit))
-                self._late = (draft, limit, req_ids[0], drawn)
-                return [draft]
-            except Exception:
-                logger.exception("vllm-adaptive-spec: pearl could not start a late draft; this step has none")
+            draft, drawn = ahead[1 : 1 + limit], len(ahead)
         else:
-            draft = self._pre_draft(step[1], drafted[0], generated[0] - 1, bonus, limit)
+            draft, drawn = self._pre_draft(step[1], drafted[0], generated[0] - 1, bonus, limit), len(ahead)
             drawn += len(draft)
         self.stats.record_proposal([len(draft)], 0, req_ids, [drawn])
         return [draft]
-
-    def before_drafts_taken(self) -> None:
-        """The engine is about to hand this step's drafts to its scheduler (the runner's
-        `take_draft_token_ids`): a late job's drafts go into the list vLLM holds."""
-        if self._late is None:
-            return
-        draft, limit, req_id, drawn = self._late
-        self._late = None
-        try:
-            made = self.drafts.collect(step=False) or []
-        except Exception:
-            logger.exception("vllm-adaptive-spec: pearl's late draft failed; this step goes on without drafts")
-            made = []
-        draft.extend(made[:limit])
-        self.drafts.timeline.pre_drafted += len(made)
-        self.stats.record_proposal([len(draft)], 0, [req_id], [drawn + len(made)])
-
-    @staticmethod
-    def _corrected(seq: np.ndarray, drafted: int, accepted: int, bonus: int) -> np.ndarray:
-        """The sequence after verification: seq [L] less its rejected drafts, plus the target's token."""
-        return np.append(seq[: len(seq) - drafted + accepted], bonus).astype(np.int32)  # [L']
 
     def _pre_draft(self, seq: np.ndarray, drafted: int, accepted: int, bonus: int, limit: int) -> list[int]:
         """After a rejection: `pre_draft` drafts after the corrected sequence, made now (0: none)."""
         n = min(self.policy.pre_draft, limit)
         if n == 0:
             return []
-        corrected = self._corrected(seq, drafted, accepted, bonus)
+        corrected = np.append(seq[: len(seq) - drafted + accepted], bonus).astype(np.int32)  # [L']
         try:
             self.drafts.submit(corrected, n, until_asked=False)
             made = (self.drafts.collect(step=False) or [])[:n]

@@ -4,8 +4,7 @@ The draft drafts the next round while the target verifies this one
 (`integration/pearl.py`, `parallel_draft.py`); the draft length adapts by
 itself: a round whose drafts are all accepted hands its successor a full
 draft; after a rejection the next round verifies `pre_draft` drafts made at
-once (PEARL's pre-verify with 0: none), or, with `branches`, the drafts
-of a second guess the worker made while the target ran. The class exists so the config
+once (PEARL's pre-verify with 0: none). The class exists so the config
 validates `pearl` like every policy; `decide` is never called.
 """
 
@@ -29,30 +28,12 @@ class PearlPolicy(StopPolicy):
         # where that step verifies none and only checks the worker's first token). Default 1: faster
         # than 0 in every cell measured (README, "Parallel drafting")
         "pre_draft": Param(int, 0, 16),
-        # second guesses: once a job has its K + 1 drafts and the target is still running, the draft's
-        # runner-up token at the likeliest places the target parts from the chain, each with its own
-        # drafts after it (and a cache line of its own); a step whose target picks one verifies its
-        # drafts at once instead of waiting for `pre_draft`
-        "branches": Param(int, 0, 4),
-        # 1: after a rejection the worker drafts while vLLM processes the step's output, and the engine
-        # takes the drafts only when its scheduler needs them (at least `pre_draft`, more while a draft
-        # forward fits before then); 0: the `pre_draft` drafts are made at once, the engine waiting
-        "late_drafts": Param(int, 0, 1),
     }
 
-    def __init__(
-        self,
-        draft_cpu: int | None = None,
-        draft_worker: str | None = None,
-        pre_draft: int = 1,
-        branches: int = 0,
-        late_drafts: int = 0,
-    ):
+    def __init__(self, draft_cpu: int | None = None, draft_worker: str | None = None, pre_draft: int = 1):
         self.draft_cpu = draft_cpu
         self.draft_worker = draft_worker
         self.pre_draft = pre_draft
-        self.branches = branches
-        self.late_drafts = late_drafts
 
     @classmethod
     def check_engine(cls, params: dict, draft_model: str) -> None:
