@@ -20,6 +20,7 @@ from vllm_adaptive_spec.policies.costs import load_costs
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
 PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs")  # the plugin's own; the rest are the policy's
+ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
 
@@ -30,7 +31,7 @@ class AdaptiveSpecConfig:
     params: dict[str, Any] = field(default_factory=dict)  # the policy's constructor keywords
     time_policy: bool = False  # measure the policy's own time in the engine (policies/timing.py)
     batch_aware: bool = False  # the batch gate (policies/batch_gate.py); default on for adaptive policies
-    costs: str | None = None  # cost-curve file (policies/costs.py); None: the curves measured here
+    costs: str | None = None  # cost-curve file (policies/costs.py); None: the bundled curves; "online": measured
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -56,8 +57,13 @@ class AdaptiveSpecConfig:
         costs = raw.get("costs")
         if costs is not None:
             if not isinstance(costs, str) or not costs:
-                raise ConfigError(f"{CONFIG_KEY}.costs: expected a path to a cost file, got {costs!r}")
-            load_costs(costs)  # a bad file fails here, at start-up
+                raise ConfigError(f"{CONFIG_KEY}.costs: expected a path to a cost file or {ONLINE!r}, got {costs!r}")
+            if costs == ONLINE and not batch_aware:
+                raise ConfigError(
+                    f"{CONFIG_KEY}.costs: {ONLINE!r} measures costs for the batch gate, which is off here "
+                    f"(policy {policy!r}, batch_aware false); pass a cost file, or turn the gate on"
+                )
+            load_costs(None if costs == ONLINE else costs)  # a bad file fails here, at start-up
         specs = POLICY_CLASSES[policy].PARAMS
         params = {}
         for key, value in raw.items():
@@ -78,13 +84,20 @@ class AdaptiveSpecConfig:
                 raise ConfigError(f"{CONFIG_KEY}.{key}: required for policy {policy!r}")
         return cls(policy=policy, params=params, time_policy=time_policy, batch_aware=batch_aware, costs=costs)
 
+    @property
+    def online_costs(self) -> bool:
+        return self.costs == ONLINE
+
+    def _cost_curves(self) -> dict:
+        return load_costs(None if self.online_costs else self.costs)
+
     def build_policy(self) -> StopPolicy:
         cls = POLICY_CLASSES[self.policy]
-        extra = {"costs": load_costs(self.costs)} if getattr(cls, "uses_costs", False) else {}
+        extra = {"costs": self._cost_curves()} if getattr(cls, "uses_costs", False) else {}
         return cls(**self.params, **extra)
 
     def build_gate(self) -> BatchGate | None:
-        return BatchGate(load_costs(self.costs)) if self.batch_aware else None
+        return BatchGate(self._cost_curves(), online=self.online_costs) if self.batch_aware else None
 
     @property
     def is_fixed(self) -> bool:

@@ -398,9 +398,10 @@ def main() -> None:
     if args.costs:
         costs = str(args.costs.resolve())
         plan.configs[:] = [
-            replace(c, adaptive=c.adaptive | {"costs": costs}) if c.adaptive else c for c in plan.configs
+            replace(c, adaptive=c.adaptive | {"costs": costs}) if c.adaptive and "costs" not in c.adaptive else c
+            for c in plan.configs
         ]
-        plan.notes.append(f"plugin configurations read the cost curves {args.costs}")
+        plan.notes.append(f"plugin configurations read the cost curves {args.costs} (unless they set their own)")
     base = default_out(args.full)
     if args.regime or args.batched or args.pearl:
         base = base.with_name("regime" if args.regime else "batched" if args.batched else "pearl")

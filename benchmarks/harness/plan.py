@@ -343,6 +343,19 @@ def batch_plan() -> Plan:
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
     # the plugin's loop at vLLM K=1's settings: what the loop itself costs beside vLLM's own K=1
     configs.append(Config("plugin fixed K=1", "plugin", "plugin fixed", 1, {"policy": "fixed"}, sweep=1, timed=True))
+    # the gate on the costs it measures as it runs (adaptive_spec.costs "online"), beside the same rows
+    # on a cost file (--costs) or the bundled curves
+    online = {"costs": "online"}
+    configs += [
+        _plugin("confidence 0.4 (online costs)", "confidence online", {"policy": "confidence"} | online, 0.4, True),
+        _plugin(
+            "batch gate alone (online costs)",
+            "gate online",
+            {"policy": "fixed", "batch_aware": True} | online,
+            None,
+            True,
+        ),
+    ]
     cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
     return Plan(configs, cells, notes=["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"])
 

@@ -78,18 +78,22 @@ def counters(llm) -> dict[str, int]:
     return out
 
 
+def stats(llm) -> list[dict[str, Any]]:
+    from vllm_adaptive_spec.integration.runtime import get_stats
+
+    return get_stats(llm)
+
+
 def plugin_totals(llm) -> dict[str, Any]:
     """The plugin's own records, summed over workers: exact counts, draft-length histogram,
     draft forwards per engine step and the policy's in-engine timing."""
-    from vllm_adaptive_spec.integration.runtime import get_stats
-
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
     out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
     parallel = dict.fromkeys(
         ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s", "pre_drafted"), 0.0
     )
-    for snap in get_stats(llm):
+    for snap in stats(llm):
         for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn"):
             out[key] += snap["workload"][key]
         for name, src in (("hist", "drafted_len_hist"), ("forwards", "forwards_per_step")):
@@ -200,6 +204,9 @@ class CellRun:
             row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
             if own["parallel"]["steps"]:
                 row["parallel"] = own["parallel"] | fractions(own["parallel"])
+            gate_costs = [snap["gate_costs"] for snap in stats(self.llm) if "gate_costs" in snap]
+            if gate_costs:  # adaptive_spec.costs "online": the curves the gate decided on at the end
+                row["gate_costs"] = gate_costs[0]
         else:
             row |= self.exact
             row["draft_len_hist"] = {}

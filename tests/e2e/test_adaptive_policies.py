@@ -18,6 +18,7 @@ from tests.conftest import (
     released_stats,
     spec_config,
 )
+from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS
 
 pytestmark = pytest.mark.e2e
 
@@ -27,14 +28,15 @@ DRAFTERS = ("draft_model", "eagle3")  # speculative_config.method of the bundled
 DFLASH_POLICIES = ("fixed", "svip", "confidence", "adaedl")
 CASES = [(method, policy) for method in DRAFTERS for policy in TRAINING_FREE_POLICIES]
 CASES += [("dflash", policy) for policy in DFLASH_POLICIES]
+ONLINE_COSTS = ("eagle3", "confidence")  # this case's batch gate measures its costs (adaptive_spec.costs)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def policy_llm(request):
     method, policy = request.param
-    adaptive = {"policy": policy, "time_policy": True}
+    adaptive = {"policy": policy, "time_policy": True} | ({"costs": "online"} if request.param == ONLINE_COSTS else {})
     llm = make_llm(speculative_config=vllm_run.spec_config(CAP, method), additional_config={"adaptive_spec": adaptive})
-    yield policy, llm
+    yield request.param, llm
     close_llm(llm)
 
 
@@ -60,7 +62,7 @@ def test_lossless_batch_of_one(policy_llm, lossless_prompts, lossless_reference)
 
 
 def test_statistics_and_draft_lengths(policy_llm):
-    policy, llm = policy_llm
+    (method, policy), llm = policy_llm
     (snap,) = released_stats(llm)
     work = snap["workload"]
     assert snap["policy"] == policy
@@ -77,6 +79,13 @@ def test_statistics_and_draft_lengths(policy_llm):
     # finished requests leave neither live statistics nor policy state behind
     assert snap["requests"] == {} and snap["tracked"] == 0, snap
     assert snap["n_finished"] > 0
+    if (method, policy) == ONLINE_COSTS:
+        # the gate measured target passes and draft steps here, and decides on them
+        measured = snap["gate_costs"]["measured"]
+        assert measured["verify_ms"] and measured["draft_step_ms"], snap["gate_costs"]
+        assert snap["gate_costs"]["curves"] != DEFAULT_COSTS
+    else:
+        assert "gate_costs" not in snap
 
 
 def test_batch_of_64_is_lossless(ref_llm):

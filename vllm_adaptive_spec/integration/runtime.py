@@ -54,9 +54,15 @@ def worker_stats() -> list[dict]:
         p.stats.snapshot()
         | {"policy": p.policy.name, "tracked": p.policy.num_tracked()}
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
+        | ({"gate_costs": _gate_costs(p.gate)} if p.gate is not None and p.gate.meter is not None else {})
         | ({"parallel": p.parallel_stats()} if hasattr(p, "parallel_stats") else {})
         for p in _proposers
     ]
+
+
+def _gate_costs(gate: Any) -> dict:
+    """The curves the gate decides on now, and the points measured so far (costs: online)."""
+    return {"curves": gate.costs.curves, "measured": {k: gate.meter.measured(k) for k in gate.meter.KINDS}}
 
 
 def _stats_rpc(worker: Any) -> list[dict]:

@@ -35,6 +35,14 @@ round after one step: there the gate's per-step work was pure overhead.
 The hold is decided before the round's first draft, from earlier rounds
 only, so it drops no draft.
 
+With `adaptive_spec.costs = "online"` the curves are measured as the engine
+runs (`costs.CostMeter`): the loop times each target pass between two rounds
+of the same requests and each draft step after the first pass, at the host
+syncs it makes anyway, and every COST_REFRESH_ROUNDS rounds the gate decides
+on the measured points, the prior curves' shape scaled to them elsewhere.
+A step length the gate never lets the loop draft is never measured: at batch
+sizes where it holds one-step rounds the draft curve stays the prior's, scaled.
+
 The gate works on the host, in Python floats, on the one copy of the step's
 decisions that the loop makes anyway: at the batch sizes the loop runs (1 to
 a few hundred rows) a dozen tiny tensor ops per step cost more than the
@@ -46,10 +54,11 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive_spec.policies.acceptance import OnlineAcceptanceEstimator, log_odds
-from vllm_adaptive_spec.policies.costs import StepCosts
+from vllm_adaptive_spec.policies.costs import CostMeter, StepCosts
 
 HOLD_ROUNDS = 8  # a one-step verdict covers this round and the next 7 (of at least as many rows)
 HOLD_MIN_ROWS = 4  # smaller rounds never hold
+COST_REFRESH_ROUNDS = 64  # with measured costs (`online`), the curves are rebuilt this often
 
 
 def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -63,10 +72,14 @@ def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.T
 
 
 class BatchGate:
-    def __init__(self, costs: dict, refit_interval: int = 100):
+    def __init__(self, costs: dict, refit_interval: int = 100, online: bool = False):
+        """costs: the cost curves (`costs.py`); online: they are only the prior, and the loop's own
+        measurements (`meter`) replace them where they exist, every COST_REFRESH_ROUNDS rounds."""
         self.refit_interval = refit_interval
         self.estimator: OnlineAcceptanceEstimator | None = None
         self.costs = StepCosts(costs)
+        self.meter = CostMeter(costs) if online else None
+        self._metered = 0  # meter.samples when the curves were last rebuilt
         self._rounds = 0
         self._req_ids: list[str] = []
         self._features: list[list[float]] = []  # per row: f of each draft step of this round
@@ -143,6 +156,8 @@ class BatchGate:
         self._rounds += 1
         if self._rounds % self.refit_interval == 0:
             self.estimator.refit()
+        if self.meter is not None and self._rounds % COST_REFRESH_ROUNDS == 0 and self.meter.samples > self._metered:
+            self.costs, self._metered = StepCosts(self.meter.curves()), self.meter.samples
 
     def forget(self, req_id: str) -> None:
         self._graded.pop(req_id, None)

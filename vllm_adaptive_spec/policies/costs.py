@@ -98,3 +98,80 @@ class StepCosts:
         if max_tokens not in self._verify_list:
             self._verify_list[max_tokens] = self.verify_table(max_tokens).tolist()
         return self._verify_list[max_tokens]
+
+
+def _non_decreasing(points: list[tuple[float, float, int]]) -> list[float]:
+    """The weighted least-squares non-decreasing fit (pool adjacent violators) of (size, y, weight)
+    points sorted by size -> the fitted y per point."""
+    blocks: list[list[float]] = []  # [mean y, weight, points pooled]
+    for _, y, w in points:
+        blocks.append([y, float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            y2, w2, n2 = blocks.pop()
+            y1, w1, n1 = blocks[-1]
+            blocks[-1] = [(y1 * w1 + y2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [y for y, _, n in blocks for _ in range(int(n))]
+
+
+class CostMeter:
+    """The cost curves of the machine the loop runs on, measured by the loop itself (`costs: "online"`).
+
+    The loop reports each round's draft side (ms per draft forward at n rows) and the time between
+    rounds (one target pass over x tokens, with sampling and the engine's bookkeeping), the same
+    quantities `benchmarks.step_costs` measures. Samples go to buckets of similar size (exact sizes up
+    to 16, then a quarter octave wide), the last `window` per bucket. `curves()` puts a point at
+    each bucket with at least `min_samples` (mean size, upper median ms: a stray slow step moves nothing)
+    and keeps the prior's shape elsewhere, scaled by the median ratio of measured to prior cost over
+    the measured buckets (of that curve, else of the other one).
+    """
+
+    KINDS = ("draft_step_ms", "verify_ms")
+
+    def __init__(self, prior: dict[str, list[list[float]]], window: int = 32, min_samples: int = 4):
+        self.prior, self.window, self.min_samples = prior, window, min_samples
+        self._buckets: dict[str, dict[int, tuple[list[float], list[float]]]] = {k: {} for k in self.KINDS}
+        self.samples = 0
+
+    @staticmethod
+    def _bucket(size: float) -> int:
+        return int(size) if size <= 16 else 17 + math.floor(4 * math.log2(size / 16))
+
+    def add(self, kind: str, size: float, ms: float) -> None:
+        """One measurement: `kind` one of KINDS, size >= 1 (rows or tokens), ms >= 0."""
+        if not (size >= 1 and ms >= 0 and math.isfinite(ms)):
+            return
+        sizes, times = self._buckets[kind].setdefault(self._bucket(size), ([], []))
+        sizes.append(float(size))
+        times.append(float(ms))
+        if len(times) > self.window:
+            del sizes[0], times[0]
+        self.samples += 1
+
+    def measured(self, kind: str) -> list[list[float]]:
+        """[[mean size, ms], ...] of the buckets with enough samples, by size: each bucket's upper
+        median, made non-decreasing by pooling neighbours that are not (weighted by their samples).
+        A bucket that came out slow between two fast ones is averaged with them: `curve`'s running
+        maximum would instead price every size up to it as slow, a flat stretch where the next
+        tokens look free."""
+        pts = []
+        for sizes, times in self._buckets[kind].values():
+            if len(times) >= self.min_samples:
+                pts.append((sum(sizes) / len(sizes), sorted(times)[len(times) // 2], len(times)))
+        return [[x, y] for x, y in zip(sorted(x for x, _, _ in pts), _non_decreasing(sorted(pts)))]
+
+    def curves(self) -> dict[str, list[list[float]]]:
+        measured = {k: self.measured(k) for k in self.KINDS}
+        ratios = {}
+        for k, pts in measured.items():
+            if pts:
+                prior = curve(self.prior[k], torch.tensor([x for x, _ in pts]))  # [P]
+                r = sorted(y / float(p) for (_, y), p in zip(pts, prior))
+                ratios[k] = r[len(r) // 2]
+        out = {}
+        for k, pts in measured.items():
+            other = [r for kk, r in ratios.items() if kk != k]
+            scale = ratios.get(k, other[0] if other else 1.0)
+            lo, hi = (pts[0][0], pts[-1][0]) if pts else (math.inf, -math.inf)
+            kept = [[x, y * scale] for x, y in self.prior[k] if not lo <= x <= hi]  # the prior outside the data
+            out[k] = sorted(pts + kept)
+        return out
