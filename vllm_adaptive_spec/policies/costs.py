@@ -120,7 +120,7 @@ class CostMeter:
     rounds (one target pass over x tokens, with sampling and the engine's bookkeeping), the same
     quantities `benchmarks.step_costs` measures. Samples go to buckets of similar size (exact sizes up
     to 16, then a quarter octave wide), the last `window` per bucket. `curves()` puts a point at
-    each bucket with at least `min_samples` (mean size, upper median ms: a stray slow step moves nothing)
+    each bucket with at least `min_samples` (mean size, upper median ms, made non-decreasing: `measured`)
     and keeps the prior's shape elsewhere, scaled by the median ratio of measured to prior cost over
     the measured buckets (of that curve, else of the other one).
     """
@@ -157,7 +157,8 @@ class CostMeter:
         for sizes, times in self._buckets[kind].values():
             if len(times) >= self.min_samples:
                 pts.append((sum(sizes) / len(sizes), sorted(times)[len(times) // 2], len(times)))
-        return [[x, y] for x, y in zip(sorted(x for x, _, _ in pts), _non_decreasing(sorted(pts)))]
+        pts.sort()
+        return [[x, y] for (x, _, _), y in zip(pts, _non_decreasing(pts))]
 
     def curves(self) -> dict[str, list[list[float]]]:
         measured = {k: self.measured(k) for k in self.KINDS}
