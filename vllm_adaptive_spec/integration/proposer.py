@@ -105,7 +105,6 @@ class AdaptiveDraftLoop:
             self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
         self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
         self._verified_drafts: list[int] | None = None  # drafts each request had verified this step
-        self._meter = None if self.gate is None else self.gate.meter  # measures the costs (costs: online)
         self._last_round: tuple[set[str], float] | None = None  # the last round's requests and its end time
 
     # -- feedback from verification (called by the runner before propose) --
@@ -227,7 +226,8 @@ class AdaptiveDraftLoop:
         batch = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch])
         generated = self._end_of_verification(req_ids)
-        metered = self._meter_pass(req_ids, generated)
+        steady = self._meter_pass(req_ids, generated)
+        steps_start: float | None = None  # when the draft steps after the first pass began (steady rounds)
         limits = self._round_limits(req_ids, generated, cap)
         gate = self.gate
         if gate is not None:
@@ -329,8 +329,8 @@ class AdaptiveDraftLoop:
                 with self._timed():
                     top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
             keeps, stops, tops = _decisions_to_host(decision.keep, decision.stop, top)
-            if t == 0 and metered is not None:
-                metered = time.perf_counter()  # the first pass is done; the draft steps start
+            if t == 0 and steady:
+                steps_start = time.perf_counter()  # the first pass is done; the draft steps start
             kept = [False] * batch  # rows that drafted y_t and kept it
             for i in range(batch):
                 if active[i]:
@@ -362,36 +362,43 @@ class AdaptiveDraftLoop:
             self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
         drafts = torch.stack(tokens_per_step, dim=1).tolist()  # [B, T]; one host copy per round
         self.stats.record_proposal(lengths, forwards, req_ids, drawn)
-        self._meter_round(req_ids, metered, forwards)
+        self._meter_round(req_ids, steps_start, forwards)
         return [row[:n] for row, n in zip(drafts, lengths)]
 
     # -- measured costs (adaptive_spec.costs = "online"): the loop's own clocks, at its host syncs --
 
-    def _meter_pass(self, req_ids: list[str], generated: list[int]) -> float | None:
+    @property
+    def _meter(self):
+        """The gate's cost meter (costs: online), else None."""
+        return None if self.gate is None else self.gate.meter
+
+    def _meter_pass(self, req_ids: list[str], generated: list[int]) -> bool:
         """At the start of a round, after verification's host copy: the time since the last round ended
         is one target pass over the tokens it verified, plus sampling and the engine's bookkeeping.
         Measured only on steady decode steps: the same requests as last round, every one decoding (no
         prefill, no idle engine in between, and no request that finished last step: the engine's work
         on finished and new requests made those steps slower than their token count says). Returns
-        the round's start time when the round is measured, else None."""
-        if self._meter is None:
-            return None
+        whether this round is such a steady one (its draft steps are measured too)."""
+        meter = self._meter
+        if meter is None:
+            return False
         now, last, self._last_round = time.perf_counter(), self._last_round, None
         if last is None or not all(n > 0 for n in generated) or last[0] != set(req_ids):
-            return None
+            return False
         tokens = len(req_ids) + sum(self._verified_drafts or ())
-        self._meter.add("verify_ms", tokens, 1e3 * (now - last[1]))
-        return now
+        meter.add("verify_ms", tokens, 1e3 * (now - last[1]))
+        return True
 
     def _meter_round(self, req_ids: list[str], steps_start: float | None, forwards: int) -> None:
         """At the end of a round (after the drafts' host copy): a draft step's cost at this batch, what
         one more step adds (its forward, logits, draw, the policy and the gate), from the steps after
         the first pass (a round of one forward measures none)."""
-        if self._meter is None:
+        meter = self._meter
+        if meter is None:
             return
         now = time.perf_counter()
         if steps_start is not None and forwards > 1:
-            self._meter.add("draft_step_ms", len(req_ids), 1e3 * (now - steps_start) / (forwards - 1))
+            meter.add("draft_step_ms", len(req_ids), 1e3 * (now - steps_start) / (forwards - 1))
         self._last_round = (set(req_ids), now)
 
     def _observe_context(self, req_ids: list[str], hidden: torch.Tensor, cad: Any, rejected: torch.Tensor | None):
