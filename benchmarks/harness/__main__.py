@@ -253,7 +253,8 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
 
     dropped = [c.name for c in plan.configs if left_out(c)]
     kept = [c for c in plan.configs if c.name not in dropped]
-    extra = eagle3_head_configs(regime=args.regime) if args.drafter == "eagle3" else []
+    # the regime and batched plans time the heads and the tuned thresholds, with the gate and without
+    extra = eagle3_head_configs(regime=args.regime or args.batched) if args.drafter == "eagle3" else []
     plan.configs[:] = [replace(c, method=args.drafter) for c in kept + extra]
     if args.drafter == "dflash":
         # the drafter's runs come from its trained block; an oracle at another cap would need another block
@@ -359,6 +360,9 @@ def main() -> None:
     ap.add_argument("--draft-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the draft")
     ap.add_argument("--regime", action="store_true", help="the batch-1 regime plan (use with the mlp factors)")
     ap.add_argument("--batched", action="store_true", help="the batched plan: batch-aware stopping against baselines")
+    ap.add_argument(
+        "--steady", action="store_true", help="with --batched: about 8 requests per slot (a busy endpoint), not 32"
+    )
     ap.add_argument("--pearl", action="store_true", help="the batch-1 plan of PEARL against sequential speculation")
     ap.add_argument("--counts-only", action="store_true", help="only the count cells (no wall clock)")
     ap.add_argument("--workloads", nargs="*", help="only these prompt families (e.g. code_heldout)")
@@ -380,7 +384,7 @@ def main() -> None:
     plan = (
         regime_plan()
         if args.regime
-        else batch_plan()
+        else batch_plan(args.steady)
         if args.batched
         else pearl_plan()
         if args.pearl

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks.harness import plots, report
-from benchmarks.harness.plan import eagle3_head_configs, full_plan, regime_plan, short_plan
+from benchmarks.harness.plan import batch_plan, eagle3_head_configs, full_plan, regime_plan, short_plan
 
 
 def _cell(key_kind: str, batch: int, temperature: float = 0.0) -> dict:
@@ -163,6 +163,26 @@ def test_policy_cost_is_charged_from_the_cells_own_timing():
     assert k2["policy_cost_frac_of_draft_step"] == 0.0
 
 
+def test_speedup_per_engine_step_charges_each_draft_forward_of_the_batch():
+    """S per step (c = 4): no speculation's steps over steps + draft forwards / 4 (the policy's share on
+    top); vLLM's loop runs K forwards a step, the plugin's come from its per-step record."""
+    results = _results()
+    timed = _cell("timed", 1)
+    plugin = _row(timed, 0.03, 5, n_draft=16, n_acc=11) | {
+        "draft_forwards_per_step": {"1": 3, "3": 2},  # 9 forwards over 5 steps
+        "policy_timing": {"policy_s": 0.01, "propose_s": 0.11, "decides": 9, "rounds": 5},  # f = 0.1
+    }
+    results.insert(-1, {"config": _cfg("gate", "plugin", "gate", 16), "cells": [plugin]})
+    dynamic = _cfg("vLLM dynamic SD", "vllm", "vLLM dynamic", 3) | {"dynamic": [[1, 64, 3]]}
+    results.insert(-1, {"config": dynamic, "cells": [_row(timed, 0.03, 8, n_draft=16, n_acc=8)]})
+    rows = {r["config"]: r for r in report.tabulate(results)["rows"] if r["cell"]["key"] == timed["key"]}
+    assert rows["no speculation"]["S_batch_c4"] == pytest.approx(1.0)
+    assert rows["vLLM K=2"]["S_batch_c4"] == pytest.approx(16 / (8 + 2 * 8 / 4))
+    assert rows["gate"]["S_batch_c4"] == pytest.approx(16 / (5 + 9 * 1.1 / 4))
+    assert rows["vLLM dynamic SD"]["S_batch_c4"] is None  # its K moves with the batch: not modeled
+    assert any("S per engine step at c = 4" in line for line in report.best_of_kinds(list(rows.values())))
+
+
 def test_changes_section_compares_with_an_earlier_report():
     table = report.tabulate(_results())
     old = json.loads(json.dumps(table))
@@ -212,6 +232,22 @@ def test_eagle3_rows_and_their_regime_variant():
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
 
 
+def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
+    import argparse
+
+    from benchmarks.harness.__main__ import use_drafter
+
+    plan = batch_plan()
+    assert sorted(c.k for c in plan.configs if c.family == "fixed K") == [1, 2, 3, 4]
+    use_drafter(argparse.Namespace(drafter="eagle3", regime=False, batched=True), plan)
+    names = {c.name for c in plan.configs}
+    assert {"confidence 0.75 (tuned on train, c=4)", "confidence 0.75 gated (tuned on train, c=4)"} <= names
+    assert all(c.timed and c.method == "eagle3" for c in plan.configs)
+    assert all(plan.cells_for(c) for c in plan.configs)  # every row runs the batched cells
+    # a busy endpoint: about 8 requests per slot, at most the family's 200 held-out prompts
+    assert {(c.batch, c.n_prompts) for c in batch_plan(steady=True).cells} == {(4, 32), (16, 128), (32, 200)}
+
+
 def test_interleaved_groups_rotation_and_pairing():
     from benchmarks.harness.interleaved import groups_of, paired, turn_order
     from benchmarks.harness.plan import Config
@@ -249,7 +285,8 @@ def test_model_against_wall_clock_names_the_overhead():
     assert "c 4.00, speculative-step overhead above t_T 0.50 t_T" in part
     assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% |" in part
     # + step cost: 2 prefills at t_T, 6 passes at 3 ms, 16 drafts at 0.5 ms: 32 ms of no speculation / 30 ms
-    assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% | 1.333 | 1.067 | +6.7% |" in part
+    # per engine step: 16 steps of no speculation over 8 steps + 16 draft forwards / 4
+    assert "| vLLM K=2 | 1.333 | 1.000x | +33.3% | 1.333 | 1.333 | 1.067 | +6.7% |" in part
 
 
 def test_scaled_copies_may_part_only_at_a_bfloat16_tie(tmp_path):
