@@ -381,6 +381,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.drafter != "draft_model" and args.draft_mlp_factor > 1:
         ap.error("--draft-mlp-factor scales the draft model; with --drafter eagle3 scale the target only")
+    if args.steady and not args.batched:
+        ap.error("--steady sets the batched plan's cell sizes: use it with --batched")
     plan = (
         regime_plan()
         if args.regime
