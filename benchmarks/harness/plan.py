@@ -363,7 +363,8 @@ def batch_plan(steady: bool = False) -> Plan:
     notes = ["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"]
     if steady:  # a busy endpoint: about 8 requests per slot, so most steps run a full batch
         cells = [replace(c, n_prompts=min(STEADY_MAX_PROMPTS, max(c.n_prompts, 8 * c.batch))) for c in cells]
-        notes.append(f"steady: {', '.join(f'{c.n_prompts} prompts at batch {c.batch}' for c in cells[:3])}")
+        sizes = sorted({(c.batch, c.n_prompts) for c in cells})
+        notes.append(f"steady: {', '.join(f'{n} prompts at batch {b}' for b, n in sizes)}")
     return Plan(configs, cells, notes=notes)
 
 
