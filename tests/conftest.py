@@ -98,6 +98,34 @@ def released_stats(llm, timeout_s: float = 30.0) -> list[dict]:
         time.sleep(0.1)
 
 
+# Request settings that change what the target emits (penalties, banned and allowed tokens, a
+# minimum length, stop strings, log-probabilities): drafts are verified against the distribution they
+# give, so greedy output with speculation must still equal the target's alone under each of them.
+def request_settings() -> dict[str, dict]:
+    return {
+        "repetition_penalty": {"repetition_penalty": 1.3},
+        "presence_frequency": {"presence_penalty": 1.0, "frequency_penalty": 0.5},
+        "bad_words": {"bad_words": ["return", "self"]},
+        "allowed_token_ids": {"allowed_token_ids": list(range(3000))},
+        "min_tokens": {"min_tokens": 40},
+        "stop": {"stop": ["\n\n", "return"]},
+        "logprobs": {"logprobs": 2, "prompt_logprobs": 1},
+    }
+
+
+def settings_outputs(llm, prompts: list[str], max_tokens: int = 48) -> dict[str, list]:
+    """Greedy tokens (and the number of sampled-token logprob entries) of every prompt under every
+    `request_settings` entry, all in one batch."""
+    settings = request_settings()
+    params = [vllm_run.greedy_params(max_tokens, **kw) for kw in settings.values() for _ in prompts]
+    outs = llm.generate(prompts * len(settings), params, use_tqdm=False)
+    got = {}
+    for i, name in enumerate(settings):
+        done = [o.outputs[0] for o in outs[i * len(prompts) : (i + 1) * len(prompts)]]
+        got[name] = [(list(c.token_ids), len(c.logprobs or [])) for c in done]
+    return got
+
+
 def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
@@ -109,6 +137,11 @@ def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
 @pytest.fixture(scope="session")
 def reference_tokens(ref_llm, prompts) -> list[list[int]]:
     return greedy(ref_llm, prompts)
+
+
+@pytest.fixture(scope="session")
+def settings_reference(ref_llm, prompts) -> dict[str, list]:
+    return settings_outputs(ref_llm, prompts[:4])
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from tests.conftest import (
     greedy,
     make_llm,
     released_stats,
+    settings_outputs,
     spec_config,
 )
 from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS
@@ -115,3 +116,13 @@ def test_never_drafts_past_max_tokens(policy_llm, lossless_prompts):
     after = _stats(llm)["drafted_len_hist"]
     new_lengths = {int(k) for k, v in after.items() if v > before.get(k, 0)}
     assert new_lengths and max(new_lengths) <= 1, new_lengths
+
+
+def test_request_settings_keep_output_lossless(policy_llm, prompts, settings_reference):
+    """Penalties, banned and allowed tokens, min_tokens, stop strings and logprobs: greedy output
+    equals no speculation's under each (conftest.request_settings)."""
+    _, llm = policy_llm
+    got = settings_outputs(llm, prompts[:4])
+    for name, want in settings_reference.items():
+        assert got[name] == want, f"{name}: " + first_mismatch([t for t, _ in got[name]], [t for t, _ in want])
+    assert all(n == len(t) > 0 for t, n in got["logprobs"])  # one logprob entry per sampled token
