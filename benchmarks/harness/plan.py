@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paths import REPO
+from benchmarks.paths import REPO, load_prompts
 
 WORKLOADS = ("code_heldout", "prose_heldout")
-STEADY_MAX_PROMPTS = 200  # held-out prompts per family
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
@@ -329,7 +328,7 @@ def batch_plan(steady: bool = False) -> Plan:
     policies with and without the batch gate, timed side by side at batch 4, 16 and 32, greedy
     (each timed cell also counts exactly). A cell serves its prompts at concurrency b: 32 prompts, so
     at batch 16 and 32 most steps are the first wave's and the drain's; `steady` serves about 8 per
-    slot (at most the 200 held-out prompts of a family), as a busy endpoint runs."""
+    slot (at most the family's held-out prompts), as a busy endpoint runs."""
     names = {
         "no speculation",
         *(f"vLLM K={k}" for k in (1, 2, 3, 4)),
@@ -362,7 +361,8 @@ def batch_plan(steady: bool = False) -> Plan:
     cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
     notes = ["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"]
     if steady:  # a busy endpoint: about 8 requests per slot, so most steps run a full batch
-        cells = [replace(c, n_prompts=min(STEADY_MAX_PROMPTS, max(c.n_prompts, 8 * c.batch))) for c in cells]
+        held_out = {w: len(load_prompts(w)) for w in {c.workload for c in cells}}
+        cells = [replace(c, n_prompts=min(held_out[c.workload], max(c.n_prompts, 8 * c.batch))) for c in cells]
         sizes = sorted({(c.batch, c.n_prompts) for c in cells})
         notes.append(f"steady: {', '.join(f'{n} prompts at batch {b}' for b, n in sizes)}")
     return Plan(configs, cells, notes=notes)
