@@ -76,7 +76,7 @@ def test_heuristic_schedule():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_and_inf_logits_stop_without_crashing(name, bad):
     from benchmarks.harness.plan import SPECDECPP_HEAD
-    from vllm_adaptive_spec.integration.proposer import policy_logprobs
+    from vllm_adaptive_spec.policies.step import policy_logprobs
 
     heads = {"specdecpp": SPECDECPP_HEAD, "pacer": SPECDECPP_HEAD.with_name("pacer.safetensors")}
     p = POLICY_CLASSES[name](**({"head": str(heads[name])} if name in heads else {}))
@@ -91,7 +91,7 @@ def test_nan_and_inf_logits_stop_without_crashing(name, bad):
 def test_policy_logprobs_greedy_fast_path_equals_casting_first():
     """Greedy batches take log_softmax(dtype=float32) in one pass: the same values as casting the
     bf16 logits to float32 first; sampled batches divide by each row's temperature."""
-    from vllm_adaptive_spec.integration.proposer import policy_logprobs
+    from vllm_adaptive_spec.policies.step import policy_logprobs
 
     logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 5).bfloat16()  # [B, V]
     assert torch.equal(policy_logprobs(logits, None), torch.log_softmax(logits.float(), -1))

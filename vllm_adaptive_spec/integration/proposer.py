@@ -46,35 +46,11 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
 from vllm_adaptive_spec.policies import StopPolicy
 from vllm_adaptive_spec.policies.batch_gate import draft_top
+from vllm_adaptive_spec.policies.step import decisions_to_host, policy_logprobs
 from vllm_adaptive_spec.policies.timing import Clock, TimedPolicy
 from vllm_adaptive_spec.stats import StatsBook
 
 logger = logging.getLogger(__name__)
-
-_GREEDY_EPS = 1e-5  # temperatures below this are greedy requests (as in vLLM's sampler)
-
-
-def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """log q_t: the draft's log-distribution after each request's temperature.
-
-    logits: [B, V]; temperature: [B] or None (all greedy) -> [B, V] float32.
-    Greedy requests use the raw logits (ALGORITHMS.md).
-    """
-    if temperature is None:  # one pass: the cast happens inside the softmax (same values as .float() first)
-        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    temp = torch.where(temperature < _GREEDY_EPS, torch.ones_like(temperature), temperature)
-    return torch.log_softmax(logits.float() / temp.float().unsqueeze(-1), dim=-1)
-
-
-def _decisions_to_host(
-    keep: torch.Tensor, stop: torch.Tensor, top: torch.Tensor | None
-) -> tuple[list[bool], list[bool], list[float] | None]:
-    """One host copy of a step's decisions: keep, stop [B] bool and the gate's top [B] (or None)."""
-    if top is None:
-        keeps, stops = torch.stack([keep, stop]).tolist()
-        return keeps, stops, None
-    keeps, stops, tops = torch.stack([keep.to(top.dtype), stop.to(top.dtype), top]).tolist()
-    return [k > 0.5 for k in keeps], [s > 0.5 for s in stops], tops
 
 
 class AdaptiveDraftLoop:
@@ -328,7 +304,7 @@ class AdaptiveDraftLoop:
             if gate is not None:
                 with self._timed():
                     top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
-            keeps, stops, tops = _decisions_to_host(decision.keep, decision.stop, top)
+            keeps, stops, tops = decisions_to_host(decision.keep, decision.stop, top)
             if t == 0 and steady:
                 steps_start = time.perf_counter()  # the first pass is done; the draft steps start
             kept = [False] * batch  # rows that drafted y_t and kept it

@@ -1,0 +1,43 @@
+"""benchmarks.gpu_costs: the GPU benchmark's parts, checked on CPU at toy sizes (no GPU needed)."""
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import gpu_costs as gc
+
+CPU = torch.device("cpu")
+
+
+def test_grouped_attention_equals_attention_over_repeated_kv_heads():
+    q, k, v = torch.randn(2, 8, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    mask = gc.causal_tail(3, 4, CPU)  # [3, 7]: the context and the new tokens up to each one
+    assert mask.tolist()[0] == [True] * 5 + [False] * 2
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
+    assert torch.allclose(gc.grouped_attention(q, k, v, mask), want, atol=1e-6)
+
+
+def test_draft_step_matches_the_eagle3_head_decode():
+    """The benchmark's static-cache step computes what heads.eagle3's decode computes."""
+    s = gc.TINY
+    head = gc.eagle3_head(s, torch.float32, CPU)
+    b = 2
+    ctx_tok, tokens = torch.randint(0, s.draft_vocab, (b, s.context)), torch.randint(0, s.draft_vocab, (b, 1))
+    ctx_hidden, hidden = torch.randn(b, s.context, s.hidden), torch.randn(b, 1, s.hidden)
+    pos = torch.arange(s.context).expand(b, -1)
+    _, _, cache = head.decode(ctx_tok, ctx_hidden, pos)
+    normed, prenorm, _ = head.decode(tokens, hidden, torch.full((b, 1), s.context), cache)
+    static = (torch.cat([cache.k, torch.zeros_like(cache.k[:, :, :1])], 2), torch.cat([cache.v, cache.v[:, :, :1]], 2))
+    logits, got_normed, got_prenorm = gc.draft_step(head, static, tokens, hidden, gc.causal_tail(1, s.context, CPU))
+    assert torch.allclose(got_prenorm, prenorm, atol=1e-5)
+    assert torch.allclose(got_normed, normed[:, 0], atol=1e-5)
+    assert torch.allclose(logits, head.logits(normed)[:, 0], atol=1e-5)
+
+
+def test_every_timed_policy_runs_a_round_of_both_loops(tmp_path):
+    s = gc.TINY
+    heads = gc.heads_dir(s, tmp_path)
+    loops = gc.Loops(gc.eagle3_head(s, torch.bfloat16, CPU), s, 3, 4, torch.bfloat16, CPU)
+    assert [len(r) for r in loops.vllm_round()] == [4, 4, 4]
+    for name in ("fixed", "svip", "confidence", "specdecpp", "pacer"):
+        drafts = loops.plugin_round(gc.make_policy(name, heads, CPU))
+        assert [len(r) for r in drafts] == [4, 4, 4], name

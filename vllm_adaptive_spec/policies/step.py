@@ -1,0 +1,35 @@
+"""What the draft loop does around a policy at every draft step: host-free tensor functions.
+
+The loop (integration.proposer) and the GPU cost benchmark (benchmarks.gpu_costs) both run these,
+so a benchmark without vLLM times the loop's own per-step work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy requests (as in vLLM's sampler)
+
+
+def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """log q_t: the draft's log-distribution after each request's temperature.
+
+    logits: [B, V]; temperature: [B] or None (all greedy) -> [B, V] float32.
+    Greedy requests use the raw logits (ALGORITHMS.md).
+    """
+    if temperature is None:  # one pass: the cast happens inside the softmax (same values as .float() first)
+        return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    temp = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
+    return torch.log_softmax(logits.float() / temp.float().unsqueeze(-1), dim=-1)
+
+
+def decisions_to_host(
+    keep: torch.Tensor, stop: torch.Tensor, top: torch.Tensor | None
+) -> tuple[list[bool], list[bool], list[float] | None]:
+    """One host copy of a step's decisions: keep, stop [B] bool and the gate's top [B] (or None).
+    On a GPU this is the step's one synchronisation (ending the loop early needs it)."""
+    if top is None:
+        keeps, stops = torch.stack([keep, stop]).tolist()
+        return keeps, stops, None
+    keeps, stops, tops = torch.stack([keep.to(top.dtype), stop.to(top.dtype), top]).tolist()
+    return [k > 0.5 for k in keeps], [s > 0.5 for s in stops], tops
