@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vllm_adaptive_spec.heads.cuda_graph import RowGraphs, capture
 from vllm_adaptive_spec.heads.eagle3 import Eagle3Config, Eagle3Head, apply_rope, rope_cos_sin
 from vllm_adaptive_spec.heads.pacer import PacerConfig, PacerLayer, save_pacer
 from vllm_adaptive_spec.heads.specdecpp import SpecDecHead, SpecDecHeadConfig, save_specdecpp
@@ -168,23 +169,7 @@ def draft_step(head: Eagle3Head, cache: tuple, tokens: torch.Tensor, hidden: tor
 
 def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """fn reads static input buffers; on CUDA its kernels are captured once and replayed."""
-    if device.type != "cuda":
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
+    return capture(fn, device) if device.type == "cuda" else fn
 
 
 def sync(device: torch.device) -> None:
@@ -281,8 +266,9 @@ class Loops:
 
 
 def head_forward_us(s: Shape, device: torch.device, b: int, iters: int, repeats: int) -> dict:
-    """The SpecDec++ head's forward alone: as the policy runs it (heads.affine, float32), through
-    F.linear, and both in bfloat16; and a narrow head (H -> 256, then the same blocks at 256)."""
+    """The SpecDec++ head's forward alone: as the policy runs it (heads.affine; float32 on CPU, replayed
+    from a CUDA graph on a GPU: "graphed"), eagerly, through F.linear, in bfloat16, and a narrow head
+    (H -> 256, then the same blocks at 256)."""
     with torch.device(device):
         head = SpecDecHead(SpecDecHeadConfig(s.hidden)).eval().requires_grad_(False)
         narrow_in = torch.nn.Linear(s.hidden, 256)
@@ -296,6 +282,8 @@ def head_forward_us(s: Shape, device: torch.device, b: int, iters: int, repeats:
         fns[f"affine {name}"] = functools.partial(h.inference(), xd)
         fns[f"linear {name}"] = functools.partial(h, xd)
         fns[f"narrow linear {name}"] = functools.partial(torch.nn.Sequential(a, n), xd)
+        if device.type == "cuda":
+            fns[f"graphed affine {name}"] = functools.partial(RowGraphs(h.inference(), s.hidden, dtype, device), xd)
     with torch.no_grad():
         got = interleaved(fns, device, iters, repeats)
     return {k: round(1e3 * v, 1) for k, v in got.items()}
@@ -310,7 +298,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--no-verify", action="store_true", help="skip the target's verification passes")
     args = ap.parse_args()
-    device = torch.device("cpu" if args.tiny else "cuda")
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", torch.cuda.current_device())  # as vLLM sets it
     s, dtype = (TINY if args.tiny else LLAMA_8B), torch.bfloat16
     iters = 2 if args.tiny else 20
     torch.manual_seed(0)
@@ -344,6 +332,7 @@ def main() -> None:
 
     if args.no_verify:
         (out / "gpu_costs.json").write_text(json.dumps(doc, indent=1))
+        print("json:", json.dumps(doc))  # the record, also where the file cannot be fetched
         print(f"saved {out}/gpu_costs.json")
         return
     # Verification passes of the target.

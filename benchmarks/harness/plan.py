@@ -29,9 +29,9 @@ PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
 EAGLE3_SPECDECPP_HEAD = REPO / "heads" / "toy" / "eagle3-specdecpp.safetensors"  # trained on the EAGLE-3 head
 EAGLE3_PACER_HEAD = REPO / "heads" / "toy" / "eagle3-pacer.safetensors"  # trained on the EAGLE-3 head
 # svip and confidence thresholds for the EAGLE-3 head, chosen on training responses (`vllm-adaptive-spec tune`):
-# at c = 4 (the counts of record) and at c = 12 (near regime (c)'s measured 11-13.5)
+# at c = 4 (the counts of record), c = 12 (near regime (c)'s measured 11-13.5) and c = 17 (an H100 at 8B sizes)
 EAGLE3_TUNED = REPO / "heads" / "toy" / "eagle3.tune.json"
-EAGLE3_TUNED_FILES = (EAGLE3_TUNED, REPO / "heads" / "toy" / "eagle3.tune-c12.json")
+EAGLE3_TUNED_FILES = (EAGLE3_TUNED, *(REPO / "heads" / "toy" / f"eagle3.tune-c{c}.json" for c in (12, 17)))
 # The position-embedding ablation: two layers trained alike (500 responses), with and without e_i.
 PACER_ABLATION_PAIR = {
     "on": REPO / "heads" / "toy" / "ablations" / "pacer_pos500.safetensors",

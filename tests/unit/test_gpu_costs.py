@@ -41,3 +41,38 @@ def test_every_timed_policy_runs_a_round_of_both_loops(tmp_path):
     for name in ("fixed", "svip", "confidence", "specdecpp", "pacer"):
         drafts = loops.plugin_round(gc.make_policy(name, heads, CPU))
         assert [len(r) for r in drafts] == [4, 4, 4], name
+
+
+# -- benchmarks.gpu_model: pricing exact counts with a GPU's measured costs --
+
+
+def test_fits_of_the_verification_curve():
+    from benchmarks.gpu_model import interp, line, nondecreasing
+
+    assert nondecreasing([[1, 3.0], [2, 1.0], [3, 5.0]]) == [[1, 2.0], [2, 2.0], [3, 5.0]]
+    assert nondecreasing([[2, 4.0], [1, 1.0]]) == [[1, 1.0], [2, 4.0]]
+    (x0, y0), (x1, y1) = line([[1, 1.0], [2, 2.0], [3, 3.0]])
+    assert (x0, x1) == (1, 3) and abs(y0 - 1.0) < 1e-12 and abs(y1 - 3.0) < 1e-12
+    assert interp([[1, 1.0], [3, 3.0]], 2) == 2.0 and interp([[1, 1.0], [3, 3.0]], 9) == 3.0
+
+
+def test_per_request_price_by_hand(tmp_path):
+    """A row of 100 tokens in 40 passes, 70 drafts verified, 80 drawn: with a flat 10 ms pass, 0.5 ms
+    vLLM draft step and the plugin's svip loop 0.6 ms, the time is 40 x 10 + 80 x 0.6 = 448 ms,
+    against 100 x 10 = 1000 ms without speculation."""
+    import json
+
+    from benchmarks.gpu_model import GpuCosts, per_request
+
+    run = {
+        "device": "test",
+        "draft_step_ms": {"1": 0.45},
+        "verify_ms": [[1, t, 10.0] for t in (1, 2, 3)],
+        "loop_ms_per_step": {"1": {"vLLM loop": 0.5, "plugin: svip": 0.6}},
+    }
+    (tmp_path / "gpu_costs.json").write_text(json.dumps(run))
+    (tmp_path / "costs.json").write_text(json.dumps({"verify_ms": [[1, 10.0], [3, 10.0]]}))
+    g = GpuCosts(tmp_path)  # loops from the same run
+    row = {"n_gen": 100, "n_target": 40, "n_draft": 70, "drawn_per_token": 0.8}
+    assert abs(per_request(row, g, "svip") - 1000 / 448) < 1e-9
+    assert abs(per_request(row, g, None) - 1000 / 440) < 1e-9  # vLLM's loop: 80 x 0.5

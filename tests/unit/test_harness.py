@@ -220,7 +220,7 @@ def test_eagle3_rows_and_their_regime_variant():
     counts, regime = eagle3_head_configs(), eagle3_head_configs(regime=True)
     assert len({c.name for c in counts}) == len(counts)
     tuned = [c for c in counts if "tuned on train" in c.name]
-    assert {c.name.split("c=")[1] for c in tuned} == {"4)", "12)"}  # both bundled tune files
+    assert {c.name.split("c=")[1] for c in tuned} == {"4)", "12)", "17)"}  # the three bundled tune files
     for c in counts:  # as the draft model's rows: sweeps and ablations gate off, each head's default gated
         gate = c.adaptive.get("batch_aware", True)
         assert gate == (c.timed and "no batch gate" not in c.name), c.name

@@ -268,3 +268,14 @@ def test_policy_stops_on_nan_hidden_state(head_file):
     hidden[1] = float("nan")
     d = policy.decide(logp, torch.zeros(2, dtype=torch.long), 1, hidden)
     assert d.keep.tolist() == [True, False] and d.stop.tolist() == [False, True]
+
+
+def test_policy_builds_its_forward_once_per_device_as_set(head_file):
+    """Regression: the policy compared its weights' device ("cuda:0") with the device the proposer set
+    ("cuda") and rebuilt its forward every round. Here a set "cpu:0" against the tensors' "cpu"."""
+    policy = SpecDecPPPolicy(str(head_file))
+    policy.device = torch.device("cpu", 0)
+    policy.round_limits(["a"], cap=4)
+    built = policy._prob
+    policy.round_limits(["a", "b"], cap=4)
+    assert policy._prob is built

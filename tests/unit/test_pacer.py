@@ -357,3 +357,14 @@ def test_policy_alphas_equal_the_reference_scoring_on_a_padded_batch(pacer_file)
     valid = torch.tensor([[True] * 3, [True, False, False]])
     want = p.layer.score(p.layer.context_kv(padded), valid, drafts[:, :4], first=0)  # [2, 4]
     torch.testing.assert_close(torch.cat(alphas, dim=1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_policy_moves_and_freezes_once_per_device_as_set(pacer_file):
+    """Regression: the layer's "cuda:0" never equalled a set "cuda", so every round moved the layer and
+    refolded its weights. Here a set "cpu:0" against the tensors' "cpu"."""
+    p = PacerPolicy(str(pacer_file))
+    p.device = torch.device("cpu", 0)
+    p.round_limits(["a"], cap=4)
+    frozen = p.layer._affine
+    p.round_limits(["a", "b"], cap=4)
+    assert p.layer._affine is frozen

@@ -108,3 +108,35 @@ def test_float32_argmax_draws_the_same_tokens_as_bfloat16():
         logits = (torch.randn(32, 6144) * scale).round(decimals=1).bfloat16()  # [B, V]
         logits[::4, ::3] = logits.max()  # exact ties in every fourth row
         assert torch.equal(logits.argmax(dim=-1), logits.float().argmax(dim=-1))
+
+
+def test_row_graphs_bucket_pad_and_fall_back():
+    """heads.cuda_graph.RowGraphs on CPU with an eager stand-in for the capture: one capture per
+    power-of-two bucket of rows, each call's rows in front of stale padding, the outputs cut to the
+    call's rows; a failed capture runs the head eagerly from then on."""
+    from vllm_adaptive_spec.heads.cuda_graph import RowGraphs
+
+    captured = []
+
+    def fake_capture(fn, device):
+        captured.append(fn)
+        return fn
+
+    weight = torch.randn(4, 1)
+
+    def head(x):
+        return (x @ weight).squeeze(-1)
+
+    rows = RowGraphs(head, 4, torch.float32, torch.device("cpu"), capture=fake_capture)
+    for b in (3, 4, 1, 2, 3, 5):
+        x = torch.randn(b, 4)
+        assert torch.allclose(rows(x), head(x))
+    assert len(captured) == 4  # buckets 4, 1, 2, 8
+
+    def broken_capture(fn, device):
+        raise RuntimeError("capture refused")
+
+    rows = RowGraphs(head, 4, torch.float32, torch.device("cpu"), capture=broken_capture)
+    x = torch.randn(3, 4)
+    assert torch.allclose(rows(x), head(x)) and rows.eager
+    assert torch.allclose(rows(x[:2]), head(x[:2]))

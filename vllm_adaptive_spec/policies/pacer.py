@@ -71,16 +71,17 @@ class PacerPolicy(StopPolicy):
         self._round: tuple | None = None  # k, v buffers [B, heads, W' + cap, d], mask [B, cap, W' + cap], W'
         self._drafts: torch.Tensor | None = None  # [B, cap, H] h_i of this round's drafts
         self._thr: torch.Tensor | None = None  # [B] current threshold
+        self._built_for: torch.device | None = None  # the device the layer was moved to and frozen for
 
     @classmethod
     def check_engine(cls, params: dict, draft_model: str) -> None:
         check_pacer(params["head"], draft_model, FIELD)
 
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
-        if self.layer.out.weight.device != self.device:
+        if self._built_for != self.device:  # as set: a tensor's "cuda:0" never equals a set "cuda"
             self.layer.to(self.device)
             self.layer.freeze()  # on the new device
-            self._pos_rows = None
+            self._pos_rows, self._built_for = None, self.device
         b, h = len(req_ids), self.layer.cfg.hidden_size
         cap = max(cap, 1)
         if self._pos_rows is None or self._pos_rows.shape[0] < cap:

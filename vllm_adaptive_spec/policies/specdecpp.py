@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_adaptive_spec.heads.cuda_graph import RowGraphs
 from vllm_adaptive_spec.heads.specdecpp import check_specdecpp, load_specdecpp, stop_rule
 from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
 from vllm_adaptive_spec.policies.params import Param
@@ -27,19 +28,35 @@ class SpecDecPPPolicy(StopPolicy):
         self.head, self.meta = load_specdecpp(head, FIELD)  # float32, CPU until the first round
         self.threshold = float(self.meta["recommended_threshold"] if threshold is None else threshold)
         self._running: torch.Tensor | None = None  # [B] prod of p_j over this round's judged drafts
-        self._logits = None  # the head's inference forward on self.device, built at the first round
-        self._logits_of: torch.nn.Module | None = None  # the head _logits was built from
+        self._prob = None  # hidden [B, H] -> p [B], the head's inference forward on self.device
+        self._prob_of: torch.nn.Module | None = None  # the head _prob was built from
+        self._built_for: torch.device | None = None  # the device _prob was built for
 
     @classmethod
     def check_engine(cls, params: dict, draft_model: str) -> None:
         check_specdecpp(params["head"], draft_model, FIELD)
 
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
-        if self._logits_of is not self.head or self.head.out.weight.device != self.device:
-            self.head.to(self.device)
-            self._logits, self._logits_of = self.head.inference(), self.head
+        # The device as set, not the weights' (a tensor reads "cuda:0" where "cuda" may have been set:
+        # comparing those rebuilt the forward every round).
+        if self._prob_of is not self.head or self._built_for != self.device:
+            self._prob, self._prob_of, self._built_for = self._build(), self.head, self.device
         self._running = torch.ones(len(req_ids), dtype=torch.float32, device=self.device)
         return [cap] * len(req_ids)
+
+    def _build(self):
+        if self.device.type != "cuda":
+            logits = self.head.to(self.device, torch.float32).inference()
+            return lambda hidden: torch.sigmoid(logits(hidden.float()))
+        # On a GPU the head costs its kernel launches and, at a draft's width, its float32 weights: at
+        # 4096 on an H100 it took 250 us a step eagerly, 91 (batch 1) to 191 (batch 32) from a CUDA
+        # graph, 66-71 in bfloat16 from one (benchmarks/results/gpu_costs_h100). The draft's hidden
+        # states are bfloat16 already; p is float32 for the running product.
+        logits = self.head.to(self.device, torch.bfloat16).inference()
+        # decide reads p before the next call overwrites the graph's output
+        return RowGraphs(
+            lambda x: torch.sigmoid(logits(x).float()), self.head.cfg.hidden_size, torch.bfloat16, self.device
+        )
 
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
@@ -47,7 +64,7 @@ class SpecDecPPPolicy(StopPolicy):
         ok = finite_rows(logp)  # [B]
         if t == 0 or hidden is None:
             return StepDecision(keep=ok, stop=~ok)
-        p = torch.sigmoid(self._logits(hidden.float()))  # [B] p_{t-1}
+        p = self._prob(hidden)  # [B] p_{t-1}
         self._running, stop = stop_rule(self._running, p, self.threshold)
         keep = ok & ~stop
         return StepDecision(keep=keep, stop=~keep)
