@@ -76,3 +76,19 @@ def test_per_request_price_by_hand(tmp_path):
     row = {"n_gen": 100, "n_target": 40, "n_draft": 70, "drawn_per_token": 0.8}
     assert abs(per_request(row, g, "svip") - 1000 / 448) < 1e-9
     assert abs(per_request(row, g, None) - 1000 / 440) < 1e-9  # vLLM's loop: 80 x 0.5
+
+
+def test_pearl_benchmark_draft_runs_on_the_worker_thread():
+    """benchmarks.gpu_pearl's random Qwen3 loads into parallel_draft's DenseDraft and drafts on DraftThread."""
+    import numpy as np
+
+    from benchmarks.gpu_pearl import TINY_DRAFT, random_qwen3
+    from vllm_adaptive_spec.parallel_draft import DenseDraft, DraftThread
+
+    draft = DenseDraft(TINY_DRAFT, random_qwen3(TINY_DRAFT, CPU, torch.float32), 64, CPU, torch.float32)
+    thread = DraftThread(draft, None, CPU)
+    try:
+        thread.submit(np.arange(10), 4, until_asked=False)
+        assert len(thread.collect()) == 4
+    finally:
+        thread.close()
