@@ -1,7 +1,7 @@
 """The exact counts of harness runs, priced with costs measured on a GPU (benchmarks.gpu_costs).
 
-    .venv/bin/python -m benchmarks.gpu_model REPORT.json [REPORT.json ...] \
-        [--gpu benchmarks/results/gpu_costs_h100] [--out benchmarks/results/gpu_model_h100]
+    .venv/bin/python -m benchmarks.gpu_model REPORT.json [REPORT.json ...] [--gpu DIR] [--loops FILE] \
+        [--out benchmarks/results/gpu_model_h100] [--write-costs FILE]
 
 The harness counts what each configuration does (target passes, draft forwards, engine steps; exact,
 the same on any machine for greedy decoding); `gpu_costs` measured what those things cost on an H100
@@ -11,7 +11,8 @@ EAGLE-3 runs (the toy head's acceptance standing in for a real head's):
 - batch 1, per request (rows whose decisions do not depend on the batch: vLLM's fixed K, the
   plugin's rows with the batch gate off, the replay's fixed K and oracle): time per token =
   (N_T x V1(1 + N_D / N_T) + N_drawn x t_D x (1 + f)) / N_gen, against V1(1) per token without
-  speculation. V1: the batch-1 verification curve over tokens; t_D: one step of vLLM's draft loop;
+  speculation. V1: the batch-1 verification curve over tokens (a line through 1-9 tokens, held flat
+  past 9: longer rounds are priced low); t_D: one step of vLLM's draft loop;
   f: the plugin's loop and policy per step above vLLM's loop, measured at batch 1 (the oracle: 0).
 - per engine step, at each cell's batch (every row): steps x V(tokens per step) + draft forwards of
   the batch x t_D(rows per step) x (1 + f(rows)), against no speculation's steps x V(rows per step);
