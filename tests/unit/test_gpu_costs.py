@@ -1,4 +1,6 @@
-"""benchmarks.gpu_costs: the GPU benchmark's parts, checked on CPU at toy sizes (no GPU needed)."""
+"""benchmarks.gpu_costs, gpu_pearl and gpu_model: the GPU scripts' parts, checked on CPU at toy sizes."""
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -92,3 +94,15 @@ def test_pearl_benchmark_draft_runs_on_the_worker_thread():
         assert len(thread.collect()) == 4
     finally:
         thread.close()
+
+
+def test_the_gpu_scripts_never_import_vllm():
+    """They run on GPU machines that have PyTorch but not vLLM."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, benchmarks.gpu_costs, benchmarks.gpu_pearl, benchmarks.gpu_model; "
+        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
