@@ -45,13 +45,14 @@ class SpecDecPPPolicy(StopPolicy):
         return [cap] * len(req_ids)
 
     def _build(self):
+        """hidden [B, H] (the draft's dtype) -> p [B] float32: the head's forward on self.device."""
         if self.device.type != "cuda":
             logits = self.head.to(self.device, torch.float32).inference()
             return lambda hidden: torch.sigmoid(logits(hidden.float()))
         # On a GPU the head costs its kernel launches and, at a draft's width, its float32 weights: at
-        # 4096 on an H100 it took 250 us a step eagerly, 91 (batch 1) to 191 (batch 32) from a CUDA
-        # graph, 66-71 in bfloat16 from one (benchmarks/results/gpu_costs_h100). The draft's hidden
-        # states are bfloat16 already; p is float32 for the running product.
+        # 4096 on an H100 it took 140-250 us a step eagerly, 91 (batch 1) to 191 (batch 32) from a
+        # float32 CUDA graph, 65-71 from a bfloat16 one (benchmarks/results/gpu_costs_h100). The draft's
+        # hidden states are bfloat16 already; p is float32 for the running product.
         logits = self.head.to(self.device, torch.bfloat16).inference()
         # decide reads p before the next call overwrites the graph's output
         return RowGraphs(
