@@ -191,6 +191,9 @@ def merge(paths: list[Path]) -> dict:
 
 def price(report: dict, g: GpuCosts) -> dict:
     """Every cell of a report: per-step S for each row; for count cells also batch-1 S per request."""
+    methods = {r.get("method") for r in report["rows"]}
+    if methods != {"eagle3"}:
+        raise ValueError(f"gpu_model prices EAGLE-3 runs only (its draft step is an EAGLE-3 head's); got {methods}")
     cells: dict[str, dict] = {}
     for key in sorted({r["cell"]["key"] for r in report["rows"]}):
         rows = [r for r in report["rows"] if r["cell"]["key"] == key]
