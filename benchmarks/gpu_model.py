@@ -28,7 +28,9 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.harness.report import batch_forwards
 from benchmarks.paths import REPO
+from vllm_adaptive_spec.config import BASELINES
 
 POLICY_OF_FAMILY = {
     "svip": "svip",
@@ -87,7 +89,6 @@ class GpuCosts:
     def __init__(self, folder: Path, loops: Path | None = None):
         main = json.loads((folder / "gpu_costs.json").read_text())
         self.device = main["device"]
-        self.draft = [[int(b), ms] for b, ms in main["draft_step_ms"].items()]
         # Single verification passes vary by up to 8% between neighbouring shapes (kernel choice):
         # batch 1 takes the least-squares line over its 1-9 tokens, the whole curve a non-decreasing fit.
         self.verify_b1 = line([[t, ms] for b, t, ms in main["verify_ms"] if b == 1])
@@ -126,7 +127,7 @@ def gated(config: dict) -> bool:
     adaptive = config.get("adaptive") or {}
     if config["kind"] != "plugin" or not config.get("timed"):
         return False
-    return bool(adaptive.get("batch_aware", adaptive.get("policy") not in ("fixed", "vllm_av")))
+    return bool(adaptive.get("batch_aware", adaptive.get("policy") not in BASELINES))  # as config.py decides
 
 
 def configs_of(report: Path) -> dict[str, dict]:
@@ -149,19 +150,9 @@ def per_request(row: dict, g: GpuCosts, policy: str | None) -> float:
     return interp(g.verify_b1, 1) * n_gen / t
 
 
-def forwards(row: dict) -> float | None:
-    """Draft forwards of the whole batch over the row's engine steps (benchmarks.harness.report)."""
-    hist = row.get("draft_forwards_per_step")
-    if hist:
-        return float(sum(int(k) * v for k, v in hist.items()))
-    if row["kind"] == "vllm" and row["config"].startswith("vLLM K="):
-        return float(int(row["config"].removeprefix("vLLM K=")) * row["steps"])
-    return 0.0 if row["kind"] == "nospec" else None
-
-
 def per_step(row: dict, ref: dict, g: GpuCosts, policy: str | None) -> float | None:
     """S per engine step at the cell's batch, from the row's engine steps and forwards."""
-    fw = forwards(row)
+    fw = batch_forwards(row, row["cfg"])
     if fw is None or not row.get("steps") or not ref.get("steps"):
         return None
     rows = row["n_target"] / row["steps"]  # requests per engine step
