@@ -13,10 +13,12 @@ weights: costs do not depend on values) with an EAGLE-3 head of that width:
 - per draft step at each B: vLLM's loop (graph replay, argmax, one host copy when the round ends)
   against the plugin's (graph replay, argmax, `policy_logprobs`, the policy's `decide`, one host
   copy of the decisions per step: policies.step, the functions the plugin's loop runs), for fixed,
-  svip, confidence, SpecDec++ and Pacer with heads as wide as the draft (random weights).
+  svip, confidence, SpecDec++ and Pacer with heads as wide as the draft (random weights). Both loops
+  do the tensor ops of vLLM's per-step bookkeeping (`Loops.prepare`); the plugin's rows prepare the
+  next step before waiting for the decisions (its order on CUDA), and one row, fixed, after it.
 Configurations take turns within each repeat (order rotated); figures are medians of repeats.
-Not modelled: vLLM's own host work per draft step (attention metadata, positions), which its loop
-overlaps with the GPU and a loop that waits for each step's decisions does not.
+Not modelled: the Python of vLLM's attention-metadata builders per draft step, which its loop
+overlaps with the GPU and the plugin's loop overlaps only when it prepares ahead.
 
 Writes DIR/gpu_costs.json (everything) and DIR/costs.json (a cost file the plugin and harness read).
 """
@@ -230,6 +232,25 @@ class Loops:
         self.prev = torch.randn(b, 1, s.hidden, dtype=dtype, device=device)
         self.step = graphed(lambda: draft_step(head, self.cache, self.tokens, self.prev, self.mask), device)
         self.round_no = 0
+        # what vLLM's step bookkeeping reads and writes (prepare): 16-token KV blocks, one table row per request
+        blocks = s.context // 16 + 1
+        with torch.device(device):
+            self.block_table = torch.arange(b * blocks, dtype=torch.int32).view(b, blocks)
+            self.positions = torch.full((b,), s.context - 1, dtype=torch.long)
+            self.seq_lens = torch.full((b,), s.context, dtype=torch.int32)
+            self.slots = torch.zeros(b, dtype=torch.long)
+
+    def prepare(self, tokens: torch.Tensor, prenorm: torch.Tensor) -> None:
+        """The host work before a draft step, of vLLM's kind: positions, slot mapping and sequence
+        lengths one further, the last token [B] and state [B, 1, H] into the step's input buffers.
+        Its tensor ops only (a lower bound: vLLM's attention-metadata builders add Python work); the
+        captured step reads a fixed context, so positions wrap and rounds repeat."""
+        torch.remainder(self.positions + 1, self.mask.shape[-1], out=self.positions)
+        block = self.block_table.gather(1, (self.positions // 16)[:, None])[:, 0]  # [B]
+        torch.add(block.long() * 16, self.positions % 16, out=self.slots)
+        self.seq_lens.copy_(self.positions + 1)
+        self.tokens.copy_(tokens[:, None])
+        self.prev.copy_(prenorm)
 
     def vllm_round(self) -> list[list[int]]:
         """vLLM's greedy loop: no host copy until the round's drafts go to the scheduler."""
@@ -237,14 +258,15 @@ class Loops:
         for _ in range(self.k):
             logits, _, prenorm = self.step()
             tokens = logits.argmax(-1)  # [B]
-            self.tokens.copy_(tokens[:, None])
-            self.prev.copy_(prenorm)
+            self.prepare(tokens, prenorm)
             drawn.append(tokens)
         return torch.stack(drawn, 1).tolist()
 
-    def plugin_round(self, policy: StopPolicy) -> list[list[int]]:
+    def plugin_round(self, policy: StopPolicy, ahead: bool = True) -> list[list[int]]:
         """The plugin's greedy loop with `policy`, every row drafting all k steps (its decisions
-        are computed and copied to the host each step, as in the loop, but not obeyed)."""
+        are computed and copied to the host each step, as in the loop, but not obeyed). `ahead`:
+        the next step is prepared before the wait for this step's decisions (prepare_ahead, the
+        plugin's order on CUDA), else after it (its order on CPU)."""
         ids = [f"r{i}" for i in range(self.b)]
         policy.round_limits(ids, self.k)
         if policy.observes_context:  # two verified tokens per request per round
@@ -258,9 +280,11 @@ class Loops:
             logits = logits.float()
             tokens = logits.argmax(-1)  # [B]
             decision = policy.decide(policy_logprobs(logits, None), tokens, t, normed)
+            if ahead:
+                self.prepare(tokens, prenorm)
             decisions_to_host(decision.keep, decision.stop, None)
-            self.tokens.copy_(tokens[:, None])
-            self.prev.copy_(prenorm)
+            if not ahead:
+                self.prepare(tokens, prenorm)
             drawn.append(tokens)
         return torch.stack(drawn, 1).tolist()
 
@@ -321,6 +345,9 @@ def main() -> None:
             fns = {"draft step": loops.step, "vLLM loop": loops.vllm_round}
             for name in policies:
                 fns[f"plugin: {name}"] = functools.partial(loops.plugin_round, make_policy(name, heads, device))
+            fns["plugin: fixed, prepared after the wait"] = functools.partial(
+                loops.plugin_round, make_policy("fixed", heads, device), ahead=False
+            )
             got = interleaved(fns, device, max(2, 80 // args.k), args.repeats)
             doc["draft_step_ms"][b] = got.pop("draft step")
             doc["loop_ms_per_step"][b] = {n: round(ms / args.k, 4) for n, ms in got.items()}

@@ -19,7 +19,13 @@ from vllm_adaptive_spec.policies.costs import load_costs
 
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
-PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs")  # the plugin's own; the rest are the policy's
+PLUGIN_FIELDS = (
+    "policy",
+    "time_policy",
+    "batch_aware",
+    "costs",
+    "prepare_ahead",
+)  # the plugin's own; the rest are the policy's
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
@@ -32,6 +38,8 @@ class AdaptiveSpecConfig:
     time_policy: bool = False  # measure the policy's own time in the engine (policies/timing.py)
     batch_aware: bool = False  # the batch gate (policies/batch_gate.py); default on for adaptive policies
     costs: str | None = None  # cost-curve file (policies/costs.py); None: the bundled curves; "online": measured
+    # the loop prepares draft step t+1's inputs before it waits for step t's decisions; None: on CUDA only
+    prepare_ahead: bool | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -53,6 +61,14 @@ class AdaptiveSpecConfig:
             raise ConfigError(
                 f"{CONFIG_KEY}.time_policy: true does not combine with policy 'pearl' "
                 "(it has no stopping rule to time; its per-step timeline is in the statistics)"
+            )
+        prepare_ahead = raw.get("prepare_ahead")
+        if prepare_ahead is not None and not isinstance(prepare_ahead, bool):
+            raise ConfigError(f"{CONFIG_KEY}.prepare_ahead: expected true or false, got {prepare_ahead!r}")
+        if prepare_ahead and policy == "pearl":
+            raise ConfigError(
+                f"{CONFIG_KEY}.prepare_ahead: true does not combine with policy 'pearl' (its draft runs on its own "
+                "thread, not in the step loop)"
             )
         costs = raw.get("costs")
         if costs is not None:
@@ -82,7 +98,14 @@ class AdaptiveSpecConfig:
         for key, spec in specs.items():
             if spec.required and key not in params:
                 raise ConfigError(f"{CONFIG_KEY}.{key}: required for policy {policy!r}")
-        return cls(policy=policy, params=params, time_policy=time_policy, batch_aware=batch_aware, costs=costs)
+        return cls(
+            policy=policy,
+            params=params,
+            time_policy=time_policy,
+            batch_aware=batch_aware,
+            costs=costs,
+            prepare_ahead=prepare_ahead,
+        )
 
     @property
     def online_costs(self) -> bool:

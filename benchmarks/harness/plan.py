@@ -392,6 +392,10 @@ def regime_plan() -> Plan:
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
+    # the loop in the order it takes on CUDA (adaptive_spec.prepare_ahead): what that order costs on a CPU
+    svip = next(c for c in configs if c.name == "svip h=0.3 (default)")
+    ahead = svip.adaptive | {"prepare_ahead": True}
+    configs.append(replace(svip, name="svip h=0.3, prepared ahead", family="svip prepared ahead", adaptive=ahead))
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16), notes=notes)

@@ -30,12 +30,16 @@ DFLASH_POLICIES = ("fixed", "svip", "confidence", "adaedl")
 CASES = [(method, policy) for method in DRAFTERS for policy in TRAINING_FREE_POLICIES]
 CASES += [("dflash", policy) for policy in DFLASH_POLICIES]
 ONLINE_COSTS = ("eagle3", "confidence")  # this case's batch gate measures its costs (adaptive_spec.costs)
+# cases whose loop prepares each step's inputs before waiting for the last step's decisions, the order
+# it takes on CUDA (adaptive_spec.prepare_ahead); the others run the CPU's default order
+PREPARED_AHEAD = {("draft_model", "svip"), ("eagle3", "adaedl"), ("eagle3", "vllm_av"), ("eagle3", "heuristic")}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def policy_llm(request):
     method, policy = request.param
     adaptive = {"policy": policy, "time_policy": True} | ({"costs": "online"} if request.param == ONLINE_COSTS else {})
+    adaptive |= {"prepare_ahead": True} if request.param in PREPARED_AHEAD else {}
     llm = make_llm(speculative_config=vllm_run.spec_config(CAP, method), additional_config={"adaptive_spec": adaptive})
     yield request.param, llm
     close_llm(llm)
@@ -67,6 +71,7 @@ def test_statistics_and_draft_lengths(policy_llm):
     (snap,) = released_stats(llm)
     work = snap["workload"]
     assert snap["policy"] == policy
+    assert snap["prepare_ahead"] == ((method, policy) in PREPARED_AHEAD)  # on CPU only where asked for
     assert work["n_target"] > 0 and work["n_gen"] > work["n_target"]
     assert 0 < work["n_accepted"] <= work["n_draft"]
     lengths = snap["drafted_len_hist"]

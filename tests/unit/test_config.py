@@ -38,6 +38,8 @@ def test_fixed_policy():
         ({"policy": "confidence", "threshold": float("nan")}, "adaptive_spec.threshold: nan is out of range"),
         ({"policy": "heuristic", "initial": 2.5}, "adaptive_spec.initial: expected int, got 2.5"),
         ({"policy": "heuristic", "initial": True}, "adaptive_spec.initial: expected int, got True"),
+        ({"policy": "svip", "prepare_ahead": "yes"}, "adaptive_spec.prepare_ahead: expected true or false, got 'yes'"),
+        ({"policy": "pearl", "prepare_ahead": True}, "adaptive_spec.prepare_ahead: true does not combine with"),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],
@@ -46,3 +48,12 @@ def test_bad_values_name_field_and_value(raw, needle):
     with pytest.raises(ConfigError) as err:
         parse_additional_config({"adaptive_spec": raw})
     assert needle in str(err.value)
+
+
+def test_prepare_ahead_is_a_plugin_field_and_defaults_to_the_device():
+    """Absent (None): the loop prepares ahead on CUDA only (integration/proposer.py); true or false
+    forces it, and it never reaches the policy's parameters."""
+    assert AdaptiveSpecConfig.from_dict({"policy": "svip"}).prepare_ahead is None
+    cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "prepare_ahead": True})
+    assert cfg.prepare_ahead is True and cfg.params == {}
+    assert AdaptiveSpecConfig.from_dict({"policy": "pearl", "prepare_ahead": False}).prepare_ahead is False

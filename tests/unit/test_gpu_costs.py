@@ -45,6 +45,24 @@ def test_every_timed_policy_runs_a_round_of_both_loops(tmp_path):
         assert [len(r) for r in drafts] == [4, 4, 4], name
 
 
+def test_preparing_ahead_drafts_what_vllms_loop_drafts(tmp_path):
+    """The next step's inputs prepared before the wait for the decisions (the plugin's order on CUDA)
+    or after it: the same drafts as vLLM's loop from the same state, round after round."""
+    s = gc.TINY
+    head = gc.eagle3_head(s, torch.bfloat16, CPU)
+    fixed = gc.make_policy("fixed", gc.heads_dir(s, tmp_path), CPU)
+    runs = {}
+    for name, round_fn in {
+        "vllm": lambda loops: loops.vllm_round(),
+        "ahead": lambda loops: loops.plugin_round(fixed, ahead=True),
+        "after": lambda loops: loops.plugin_round(fixed, ahead=False),
+    }.items():
+        torch.manual_seed(0)
+        loops = gc.Loops(head, s, 3, 4, torch.bfloat16, CPU)
+        runs[name] = [round_fn(loops) for _ in range(3)]
+    assert runs["ahead"] == runs["vllm"] == runs["after"]
+
+
 # -- benchmarks.gpu_model: pricing exact counts with a GPU's measured costs --
 
 

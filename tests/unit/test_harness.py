@@ -230,6 +230,8 @@ def test_eagle3_rows_and_their_regime_variant():
     assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned} | gated
     assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
+    ahead = {c.name: c for c in regime_plan().configs}["svip h=0.3, prepared ahead"]
+    assert ahead.timed and ahead.adaptive == {"policy": "svip", "prepare_ahead": True}
 
 
 def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():

@@ -76,6 +76,10 @@ class AdaptiveDraftLoop:
         self.policy.device = device
         self.stats = StatsBook()
         self.gate = cfg.build_gate()  # batch-aware stopping beside the policy, or None
+        # Prepare step t+1's inputs before waiting for step t's decisions (see _draft_step_inputs): on an
+        # asynchronous device that host work overlaps step t's kernels; on CPU it only adds a wasted
+        # preparation to every round that a stop ends, so by default only on CUDA.
+        self.prepare_ahead = device.type == "cuda" if cfg.prepare_ahead is None else cfg.prepare_ahead
         if cfg.time_policy:
             self.stats.clock = Clock()
             self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
@@ -262,6 +266,8 @@ class AdaptiveDraftLoop:
         tokens_per_step: list[torch.Tensor] = []  # each [B]
         probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
 
+        launch = (mode, num_input, across_dp)  # how draft forwards run (decode shape from step 1 on)
+        ready = None  # the next step's inputs when they were prepared ahead
         for t in range(cap):
             if t > 0 and block is not None:
                 if not any(active):
@@ -270,19 +276,11 @@ class AdaptiveDraftLoop:
             elif t > 0:
                 if not any(active):
                     break
-                if t == 1:
-                    mode, num_input, across_dp = self._enter_decode(cad, batch, num_rejected_tokens_gpu)
-                positions = self._update_positions_dependent_metadata(positions, cad, batch, num_input, self.block_size)
-                _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad, draft_index=t)
-                self.input_ids[:batch] = tokens_per_step[-1].int()
-                model_inputs = {
-                    "input_ids": self.input_ids[:num_input],
-                    "positions": self._get_positions(num_input),
-                    "inputs_embeds": None,
-                }
-                if self.pass_hidden_states_to_model:  # EAGLE: the head reads its own last state
-                    self.hidden_states[:batch] = carried
-                    model_inputs["hidden_states"] = self.hidden_states[:num_input]
+                if ready is None:
+                    positions, launch, ready = self._draft_step_inputs(
+                        t, tokens_per_step[-1], carried, positions, cad, launch, num_rejected_tokens_gpu
+                    )
+                (mode, num_input, across_dp), (per_layer_md, model_inputs), ready = launch, ready, None
                 hidden, carried = self._forward(
                     per_layer_md, num_input, mode, across_dp, self._get_slot_mapping(num_input), **model_inputs
                 )
@@ -304,6 +302,10 @@ class AdaptiveDraftLoop:
             if gate is not None:
                 with self._timed():
                     top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
+            if self.prepare_ahead and block is None and any(a and n > t + 1 for a, n in zip(active, limits)):
+                positions, launch, ready = self._draft_step_inputs(
+                    t + 1, tokens, carried, positions, cad, launch, num_rejected_tokens_gpu
+                )
             keeps, stops, tops = decisions_to_host(decision.keep, decision.stop, top)
             if t == 0 and steady:
                 steps_start = time.perf_counter()  # the first pass is done; the draft steps start
@@ -389,6 +391,30 @@ class AdaptiveDraftLoop:
         positions, num_rejected = torch.stack([first, rej]).tolist()
         lengths = [qsl[i + 1] - qsl[i] - num_rejected[i] for i in range(batch)]
         self.policy.observe_context(req_ids, hidden, qsl[:-1], lengths, positions)
+
+    def _draft_step_inputs(self, t: int, tokens: torch.Tensor, carried: torch.Tensor, positions, cad, launch, rejected):
+        """Inputs of draft step t >= 1 from step t-1's tokens [B] and carried state [B, hidden]: positions,
+        slot mapping and attention metadata one further, the tokens and state into the drafter's buffers.
+        None of it depends on step t-1's decisions (rows that stopped stay in the batch), so the loop may
+        run it before it waits for them (prepare_ahead); a round that then ends has prepared one step in
+        vain, which only moves the drafter's buffers and this round's metadata (vLLM's loop advances
+        them K-1 times, whatever K). Returns (positions, launch, (attention metadata, model inputs))."""
+        batch = tokens.shape[0]
+        if t == 1:
+            launch = self._enter_decode(cad, batch, rejected)
+        num_input = launch[1]
+        positions = self._update_positions_dependent_metadata(positions, cad, batch, num_input, self.block_size)
+        _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad, draft_index=t)
+        self.input_ids[:batch] = tokens.int()
+        model_inputs = {
+            "input_ids": self.input_ids[:num_input],
+            "positions": self._get_positions(num_input),
+            "inputs_embeds": None,
+        }
+        if self.pass_hidden_states_to_model:  # EAGLE: the head reads its own last state
+            self.hidden_states[:batch] = carried
+            model_inputs["hidden_states"] = self.hidden_states[:num_input]
+        return positions, launch, (per_layer_md, model_inputs)
 
     def _enter_decode(self, cad: Any, batch: int, num_rejected_tokens_gpu: torch.Tensor | None):
         """Switch the attention metadata from the first pass to one token per row."""

@@ -52,7 +52,7 @@ def worker_stats() -> list[dict]:
     """Snapshots of every adaptive proposer in this process."""
     return [
         p.stats.snapshot()
-        | {"policy": p.policy.name, "tracked": p.policy.num_tracked()}
+        | {"policy": p.policy.name, "tracked": p.policy.num_tracked(), "prepare_ahead": p.prepare_ahead}
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
         | ({"gate_costs": _gate_costs(p.gate)} if p.gate is not None and p.gate.meter is not None else {})
         | ({"parallel": p.parallel_stats()} if hasattr(p, "parallel_stats") else {})
