@@ -11,7 +11,9 @@ The draft is a Qwen3-0.6B-sized model with random weights. Per repeat, interleav
 - target alone: one pass;
 - draft alone: 8 greedy tokens on the thread (`until_asked` off);
 - both: the thread drafts until asked while the pass runs; the pass's time, and how many drafts
-  the thread made by the time the engine asked (after the pass).
+  the thread made by the time the engine asked (after the pass);
+- the draft on the main thread: from its decode graphs (what the thread runs on CUDA), and a draft
+  that runs its ops eagerly (`_eager`: the path before the graphs).
 Medians over repeats. The draft's tokens are random-weight greedy tokens: only the timing matters.
 """
 
@@ -153,6 +155,17 @@ def main() -> None:
         main_ms.append(1e3 * (time.perf_counter() - t0) / len(out))
         seq = np.concatenate([seq, out[:4]])
     got["draft_ms_per_token_main_thread"] = main_ms
+    # the same on a draft that runs its ops eagerly (the path before the decode graphs; the CPU's path)
+    eager = DenseDraft(conf, random_qwen3(conf, device, dtype), max_len=s.context + 64, device=device, dtype=dtype)
+    eager.continue_greedy(seq[: s.context].tolist(), 1)  # the prompt, once
+    eager_ms = []
+    for r in range(6):
+        main_stream_sync()
+        t0 = time.perf_counter()
+        out = eager.continue_greedy(seq[: s.context + 8 * r].tolist(), 8)
+        main_stream_sync()
+        eager_ms.append(1e3 * (time.perf_counter() - t0) / len(out))
+    got["draft_ms_per_token_eager_main_thread"] = eager_ms[1:]
     med = {k: statistics.median(v) for k, v in got.items()}
     med["drafts_alone_in_a_pass"] = med["target_ms"] / med["draft_ms_per_token"]
     doc = {

@@ -20,6 +20,7 @@ overwrites the rest (rejected drafts simply fall off the end).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import select
@@ -39,9 +40,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from vllm_adaptive_spec.heads.cuda_graph import capture
 from vllm_adaptive_spec.heads.eagle3 import rope_cos_sin, rope_theta
 
+logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen3",)
+GRAPH_MIN_KEYS = 256  # the shortest cache length a decode graph attends over (then powers of two)
+GRAPH_CATCH_UP = 8  # a longer new suffix runs as one forward before the graphs take over
+GRAPH_SCRATCH = 2  # cache positions past max_len where a decode graph's capture warms up
 
 
 def check_draft_dir(model_dir: str | Path) -> dict[str, Any]:
@@ -80,6 +86,10 @@ class _Layer:
     down: torch.Tensor  # [H, I]
 
 
+class _NoGraph(RuntimeError):
+    """A decode graph could not be captured."""
+
+
 class DenseDraft:
     """A Qwen3 causal LM for one sequence, with a dense KV cache that remembers its tokens."""
 
@@ -115,16 +125,17 @@ class DenseDraft:
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.lm_head = self.embed if "lm_head.weight" not in weights else w("lm_head.weight")  # [V, H]
         self.norm = w("model.norm.weight")
-        shape = (len(self.layers), self.nkv, max_len, self.d)
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)  # [L, nkv, max_len, d]
+        shape = (len(self.layers), self.nkv, max_len + GRAPH_SCRATCH, self.d)
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)  # [L, nkv, max_len + scratch, d]
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.tokens: list[int] = []  # what the cache holds, position by position
-        self.device = device
+        self.device = torch.device(device)
         # RoPE tables for every position: x * cos + roll(x, d/2) * sin_signed is rotate-half RoPE
-        cos, sin = rope_cos_sin(torch.arange(max_len, device=device), self.d, self.theta)  # [max_len, d]
+        cos, sin = rope_cos_sin(torch.arange(max_len + GRAPH_SCRATCH, device=device), self.d, self.theta)
         half = self.d // 2
-        self.cos = cos.to(dtype)[:, None]  # [max_len, 1, d]
+        self.cos = cos.to(dtype)[:, None]  # [max_len + scratch, 1, d]
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)[:, None]
+        self._capture = None  # use_graphs: decode from CUDA graphs
 
     @classmethod
     def load(
@@ -147,42 +158,140 @@ class DenseDraft:
         mask = None
         if t > 1:  # query i (position start + i) sees keys 0..start + i
             mask = torch.arange(end, device=self.device) <= torch.arange(start, end, device=self.device)[:, None]
-        nh, nkv, d, eps = self.nh, self.nkv, self.d, self.eps
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(F.rms_norm(x, x.shape[-1:], layer.in_norm, eps), layer.qkv)  # [T, (nh + 2 nkv) d]
-            qk = F.rms_norm(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), (d,), eps=eps) * layer.qk_norm
-            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin  # [T, nh + nkv, d], RoPE'd
-            self.k_cache[i, :, start:end] = qk[:, nh:].transpose(0, 1)
-            self.v_cache[i, :, start:end] = qkv[:, (nh + nkv) * d :].view(t, nkv, d).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qk[:, :nh].transpose(0, 1),  # [nh, T, d]
-                self.k_cache[i, :, :end],  # [nkv, S, d]
-                self.v_cache[i, :, :end],
-                attn_mask=mask,
-                scale=1.0 / math.sqrt(d),
-                enable_gqa=nh != nkv,
-            )  # [nh, T, d]
-            x = x + F.linear(o.transpose(0, 1).reshape(t, nh * d), layer.o)
-            gate, up = F.linear(F.rms_norm(x, x.shape[-1:], layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        return F.linear(F.rms_norm(x[-1], x.shape[-1:], self.norm, eps), self.lm_head).float()  # [V]
+            q, k, v = self._qkv(layer, x, cos, sin)
+            self.k_cache[i, :, start:end], self.v_cache[i, :, start:end] = k, v
+            x = self._finish(layer, x, self._attend(q, i, end, mask))
+        return self._logits(x[-1])
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H], RoPE tables [T, 1, d] -> q [nh, T, d], k [nkv, T, d] (both RoPE'd), v [nkv, T, d]."""
+        t, nh, nkv, d, eps = x.shape[0], self.nh, self.nkv, self.d, self.eps
+        qkv = F.linear(F.rms_norm(x, x.shape[-1:], layer.in_norm, eps), layer.qkv)  # [T, (nh + 2 nkv) d]
+        qk = F.rms_norm(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), (d,), eps=eps) * layer.qk_norm
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin  # [T, nh + nkv, d], RoPE'd
+        v = qkv[:, (nh + nkv) * d :].view(t, nkv, d).transpose(0, 1)
+        return qk[:, :nh].transpose(0, 1), qk[:, nh:].transpose(0, 1), v
+
+    def _attend(self, q: torch.Tensor, i: int, keys: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [nh, T, d] against layer i's first `keys` cached positions (mask [T | 1, keys] or None) -> [nh, T, d]."""
+        return F.scaled_dot_product_attention(
+            q,
+            self.k_cache[i, :, :keys],  # [nkv, keys, d]
+            self.v_cache[i, :, :keys],
+            attn_mask=mask,
+            scale=1.0 / math.sqrt(self.d),
+            enable_gqa=self.nh != self.nkv,
+        )
+
+    def _finish(self, layer: _Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer: x [T, H] and its attention output o [nh, T, d] -> [T, H]."""
+        x = x + F.linear(o.transpose(0, 1).reshape(x.shape[0], self.nh * self.d), layer.o)
+        gate, up = F.linear(F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """The last position's hidden state [H] -> logits [V] float32."""
+        return F.linear(F.rms_norm(last, last.shape[-1:], self.norm, self.eps), self.lm_head).float()
+
+    # -- one token a step from CUDA graphs (GPU): the draft's own launches, not its arithmetic, bound it --
+
+    def use_graphs(self, capture: Callable[[Callable[[], Any], torch.device], Callable[[], Any]]) -> None:
+        """Decode one token at a time from captured graphs (`capture`: heads.cuda_graph.capture on CUDA),
+        one per bucket of cache length; `continue_greedy` then replays them, token after token on the
+        device (each step puts its greedy token where the next one reads its input)."""
+        self._capture = capture
+        self._graphs: dict[int, Callable[[], Any]] = {}  # keys (a power of two) -> replay
+        self._ids = torch.zeros(1, dtype=torch.long, device=self.device)  # the token the next step reads
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # its position
+        self._key_pos = torch.arange(self.max_len, device=self.device)  # [max_len]
+
+    def _decode_step(self, keys: int) -> torch.Tensor:
+        """One token with static shapes: reads _ids and _pos (< keys), writes its K/V at _pos, attends to
+        the cache's first `keys` positions with those past _pos masked out; then puts its greedy token
+        into _ids and advances _pos. -> logits [V] float32."""
+        x = self.embed.index_select(0, self._ids)  # [1, H]
+        cos, sin = self.cos.index_select(0, self._pos), self.sin_signed.index_select(0, self._pos)  # [1, 1, d]
+        mask = (self._key_pos[:keys] <= self._pos)[None, :]  # [1, keys]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            self.k_cache[i].index_copy_(1, self._pos, k)  # [nkv, max_len + scratch, d] at _pos
+            self.v_cache[i].index_copy_(1, self._pos, v)
+            x = self._finish(layer, x, self._attend(q, i, keys, mask))
+        logits = self._logits(x[-1])
+        self._ids.copy_(logits.argmax().view(1))
+        self._pos.add_(1)
+        return logits
+
+    def _replay(self, position: int) -> None:
+        """One decode step (its input at `position`) from the graph whose cache length covers it."""
+        if position >= self.max_len:
+            raise ValueError(f"position {position} is past the draft cache's max_len {self.max_len}")
+        keys = min(self.max_len, 1 << max(position, GRAPH_MIN_KEYS - 1).bit_length())
+        if keys not in self._graphs:
+            # capturing runs the step twice first (a graph's warm-up): at the scratch positions past
+            # max_len, so that it overwrites no cached token; then the step's inputs are restored
+            ids, pos = self._ids.clone(), self._pos.clone()
+            self._pos.fill_(self.max_len)
+            try:
+                self._graphs[keys] = self._capture(lambda: self._decode_step(keys), self.device)
+            except RuntimeError as exc:
+                raise _NoGraph(str(exc)) from exc
+            self._ids.copy_(ids)
+            self._pos.copy_(pos)
+        self._graphs[keys]()
+
+    def _greedy_graphed(self, tokens: Sequence[int], n: int, stop: Callable[[], bool] | None) -> list[int]:
+        """continue_greedy from the graphs: a long new suffix (a prompt) runs as one forward first; the
+        rest of it and the drafts run a step each, chained on the device. With `stop`, waits for each
+        draft before asking it (the drafts are never ahead of what the device has computed)."""
+        common = self._common_prefix(tokens)
+        if len(tokens) - common > GRAPH_CATCH_UP:
+            self.forward(tokens[common:-1], common)
+            common = len(tokens) - 1
+        self._pos.fill_(common)
+        for j in range(common, len(tokens)):  # the suffix the cache lacks; its last step drafts token 1
+            self._ids.fill_(tokens[j])
+            self._replay(j)
+        drafts = [self._ids.clone()]  # each [1], on the device
+        while len(drafts) < n:
+            if stop is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                if stop():
+                    break
+            self._replay(len(tokens) + len(drafts) - 1)
+            drafts.append(self._ids.clone())
+        out = torch.cat(drafts).tolist()
+        self.tokens = list(tokens) + out[:-1]
+        return out
 
     def sync(self, tokens: Sequence[int]) -> torch.Tensor:
         """Make the cache hold `tokens` (reusing the longest common prefix) -> the last position's logits [V].
 
         At least the last token is recomputed, since its logits are the answer."""
-        held = self.tokens
-        common = 0
-        limit = min(len(held), len(tokens) - 1)
-        while common < limit and held[common] == tokens[common]:
-            common += 1
+        common = self._common_prefix(tokens)
         logits = self.forward(tokens[common:], common)
         self.tokens = list(tokens)
         return logits
 
+    def _common_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the cache holds already (never all: the last is always recomputed)."""
+        held, common = self.tokens, 0
+        limit = min(len(held), len(tokens) - 1)
+        while common < limit and held[common] == tokens[common]:
+            common += 1
+        return common
+
     def continue_greedy(self, tokens: Sequence[int], n: int, stop: Callable[[], bool] | None = None) -> list[int]:
         """The draft's greedy tokens after `tokens`: n of them, or fewer (at least one) once `stop()` says
         so between two tokens. The cache then also holds all but the last."""
+        if self._capture is not None:
+            try:
+                return self._greedy_graphed(tokens, n, stop)
+            except _NoGraph as exc:  # the cache's positions from the common prefix on are rewritten below
+                logger.warning("vllm-adaptive-spec: the parallel draft's CUDA graph failed (%s); it runs eagerly", exc)
+                self._capture = None
         out = [int(self.sync(tokens).argmax())]
         while len(out) < n and not (stop is not None and stop()):
             logits = self.forward(out[-1:], len(self.tokens))
@@ -249,9 +358,11 @@ class DraftThread:
     def __init__(self, draft: DenseDraft, cpus: set[int] | None, device: torch.device):
         self.draft = draft
         self.cpus = cpus
-        self.device = device
+        self.device = torch.device(device)
         self.timeline = Timeline()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if device.type == "cuda":  # one launch a token instead of a dozen per layer
+            draft.use_graphs(capture)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-draft", initializer=self._setup)
         self._job: Future | None = None
         self._stop = threading.Event()  # set when the engine asks for the drafts

@@ -97,6 +97,61 @@ def test_dense_draft_refuses_positions_past_its_cache():
         dd.sync(_ids(17))
 
 
+def _warm_capture(fn, device):
+    """An eager stand-in for heads.cuda_graph.capture: runs fn twice (capture's warm-up), then replays it."""
+    fn(), fn()
+    return fn
+
+
+def _graphed(max_len: int, capture=_warm_capture) -> DenseDraft:
+    dd = DenseDraft.load(DRAFT, max_len)
+    dd.use_graphs(capture)
+    return dd
+
+
+@torch.no_grad()
+def test_graphed_decode_drafts_what_the_eager_draft_drafts():
+    """The GPU path (one static-shape step a token, chained on the device), here with an eager stand-in
+    for the capture: the same drafts and cache contents as the eager path, job after job: a prompt (one
+    forward), accepted drafts, a rejection, a shorter sequence, and positions past the first graph's 256."""
+    eager, graphed = DenseDraft.load(DRAFT, 600), _graphed(600)
+    ids = _ids(40, seed=7)
+    jobs = [(ids, 6)]
+    first = eager.continue_greedy(ids, 6)
+    assert graphed.continue_greedy(ids, 6) == first and graphed.tokens == eager.tokens
+    seq = ids + first[:3] + [11]  # three accepted, then a token of the target's own
+    jobs = [(seq, 5), (ids[:20], 4), (_ids(250, seed=8), 12)]  # the last crosses 256 positions
+    for tokens, n in jobs:
+        want = eager.continue_greedy(tokens, n)
+        assert graphed.continue_greedy(tokens, n) == want and graphed.tokens == eager.tokens
+    assert sorted(graphed._graphs) == [256, 512]
+
+
+def test_graphed_decode_stops_when_asked_and_falls_back_when_a_capture_fails():
+    ids = _ids(20, seed=6)
+    full = DenseDraft.load(DRAFT, 64).continue_greedy(ids, 5)
+    checks = iter([False, True])
+    dd = _graphed(64)
+    assert dd.continue_greedy(ids, 5, stop=lambda: next(checks)) == full[:2] and dd.tokens == ids + full[:1]
+
+    def failing(fn, device):
+        raise RuntimeError("no graphs here")
+
+    dd = _graphed(64, failing)
+    assert dd.continue_greedy(ids, 5) == full and dd._capture is None  # eager from then on
+
+
+def test_a_graph_captured_at_the_caches_last_position_warms_up_on_scratch_slots():
+    """Capture runs the step twice before recording it; there it writes past max_len (scratch), never
+    over a cached token nor outside the cache (on a GPU an out-of-range write is a device assert)."""
+    ids = _ids(64, seed=9)
+    dd = _graphed(64)
+    assert dd.continue_greedy(ids, 1) == DenseDraft.load(DRAFT, 64).continue_greedy(ids, 1)
+    assert dd._capture is not None and list(dd._graphs) == [64]
+    with pytest.raises(ValueError, match="max_len 64"):
+        _graphed(64).continue_greedy(_ids(60), 8)
+
+
 def test_draft_thread_runs_jobs_on_its_own_thread_and_cpu():
     cpus = {max(os.sched_getaffinity(0))}
     draft = DenseDraft.load(DRAFT, 128)
