@@ -32,7 +32,15 @@ CASES += [("dflash", policy) for policy in DFLASH_POLICIES]
 ONLINE_COSTS = ("eagle3", "confidence")  # this case's batch gate measures its costs (adaptive_spec.costs)
 # cases whose loop prepares each step's inputs before waiting for the last step's decisions, the order
 # it takes on CUDA (adaptive_spec.prepare_ahead); the others run the CPU's default order
-PREPARED_AHEAD = {("draft_model", "svip"), ("eagle3", "adaedl"), ("eagle3", "vllm_av"), ("eagle3", "heuristic")}
+# (a block drafter's loop then decides every position of the block and reads the decisions once)
+PREPARED_AHEAD = {
+    ("draft_model", "svip"),
+    ("eagle3", "adaedl"),
+    ("eagle3", "vllm_av"),
+    ("eagle3", "heuristic"),
+    ("dflash", "svip"),
+    ("dflash", "adaedl"),
+}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{p}" for m, p in CASES])
@@ -110,6 +118,28 @@ def test_batch_of_64_is_lossless(ref_llm):
     assert got == want, first_mismatch(got, want)
     # at 64 rows the batch gate ends rounds after one step and holds that verdict: the path ran here
     assert snap["gate_held_rounds"] > 0, snap
+
+
+def test_a_block_read_at_once_is_cut_where_step_by_step_cuts_it(lossless_prompts):
+    """DFlash with prepare_ahead (the CUDA order: the policy decides every position of the block, then
+    the host reads all the decisions once) against the step-by-step loop: the same cuts, so the same
+    draft lengths and counts, on the same prompts one at a time."""
+    seen = []
+    for ahead in (False, True):
+        adaptive = {"policy": "svip", "prepare_ahead": ahead}
+        llm = make_llm(
+            speculative_config=vllm_run.spec_config(CAP, "dflash"), additional_config={"adaptive_spec": adaptive}
+        )
+        try:
+            for i in range(8):
+                greedy(llm, lossless_prompts[i : i + 1], 48)
+            (snap,) = released_stats(llm)
+        finally:
+            close_llm(llm)
+        assert snap["prepare_ahead"] is ahead
+        seen.append((snap["drafted_len_hist"], snap["workload"]))
+    assert seen[0] == seen[1]
+    assert len(seen[0][0]) > 1  # the rule cut blocks at several lengths
 
 
 def test_never_drafts_past_max_tokens(policy_llm, lossless_prompts):

@@ -268,9 +268,15 @@ class AdaptiveDraftLoop:
 
         launch = (mode, num_input, across_dp)  # how draft forwards run (decode shape from step 1 on)
         ready = None  # the next step's inputs when they were prepared ahead
+        # A block drafter's steps run no forward, so nothing waits on the decisions but the loop's exit:
+        # with prepare_ahead the policy decides every position first and the host reads them once.
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            [] if block is not None and self.prepare_ahead else None
+        )
+        steps = max(limits)
         for t in range(cap):
             if t > 0 and block is not None:
-                if not any(active):
+                if t >= steps if deferred is not None else not any(active):
                     break
                 hidden = block[:, t]
             elif t > 0:
@@ -302,6 +308,12 @@ class AdaptiveDraftLoop:
             if gate is not None:
                 with self._timed():
                     top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
+            tokens_per_step.append(tokens)
+            if draft_probs is not None:
+                probs_per_step.append(draft_probs)
+            if deferred is not None:
+                deferred.append((decision.keep, decision.stop))
+                continue
             if self.prepare_ahead and block is None and any(a and n > t + 1 for a, n in zip(active, limits)):
                 positions, launch, ready = self._draft_step_inputs(
                     t + 1, tokens, carried, positions, cad, launch, num_rejected_tokens_gpu
@@ -309,25 +321,20 @@ class AdaptiveDraftLoop:
             keeps, stops, tops = decisions_to_host(decision.keep, decision.stop, top)
             if t == 0 and steady:
                 steps_start = time.perf_counter()  # the first pass is done; the draft steps start
-            kept = [False] * batch  # rows that drafted y_t and kept it
-            for i in range(batch):
-                if active[i]:
-                    drawn[i] += 1
-                    kept[i] = keeps[i]
-                    lengths[i] += keeps[i]
-                    active[i] = keeps[i] and not stops[i] and limits[i] > t + 1
+            kept = _account(t, keeps, stops, limits, active, lengths, drawn)
             if gate is not None:  # ends the round for every row once another step does not pay
                 with self._timed():
                     if not gate.after_step(tops, kept, active, lengths, t):
                         active = [False] * batch
             if self._tp_group is not None:
-                both = torch.tensor([active, lengths], dtype=torch.long, device=hidden.device)  # [2, B]
-                active, lengths = self._tp_group.broadcast(both, src=0).tolist()
-                active = [bool(a) for a in active]
-            tokens_per_step.append(tokens)
-            if draft_probs is not None:
-                probs_per_step.append(draft_probs)
+                active, lengths = self._agree(active, lengths, hidden.device)
 
+        if deferred:  # one host copy of every step's decisions [2, T, B], then the same bookkeeping
+            decided = torch.stack([torch.stack(step) for step in deferred], dim=1).tolist()
+            for t, (keeps, stops) in enumerate(zip(*decided)):
+                _account(t, keeps, stops, limits, active, lengths, drawn)
+            if self._tp_group is not None:
+                active, lengths = self._agree(active, lengths, hidden.device)
         if gate is not None:
             with self._timed():
                 gate.finish_round()
@@ -342,6 +349,12 @@ class AdaptiveDraftLoop:
         self.stats.record_proposal(lengths, forwards, req_ids, drawn)
         self._meter_round(req_ids, steps_start, forwards)
         return [row[:n] for row, n in zip(drafts, lengths)]
+
+    def _agree(self, active: list[bool], lengths: list[int], device: torch.device) -> tuple[list[bool], list[int]]:
+        """Tensor parallelism: every rank takes rank 0's rows still drafting and lengths."""
+        both = torch.tensor([active, lengths], dtype=torch.long, device=device)  # [2, B]
+        active, lengths = self._tp_group.broadcast(both, src=0).tolist()
+        return [bool(a) for a in active], lengths
 
     # -- measured costs (adaptive_spec.costs = "online"): the loop's own clocks, at its host syncs --
 
@@ -426,6 +439,21 @@ class AdaptiveDraftLoop:
             # Padded batch: the first pass also covered rejected slots; drop them.
             cad.seq_lens -= num_rejected_tokens_gpu
         return self._determine_batch_execution_and_padding(batch)
+
+
+def _account(
+    t: int, keeps: list[bool], stops: list[bool], limits: list[int], active: list[bool], lengths: list[int], drawn: list
+) -> list[bool]:
+    """Step t's decisions for the rows still drafting: updates active, lengths and drawn (tokens drawn
+    while drafting) in place -> the rows that drafted y_t and kept it."""
+    kept = [False] * len(active)
+    for i, drafting in enumerate(active):
+        if drafting:
+            drawn[i] += 1
+            kept[i] = keeps[i]
+            lengths[i] += keeps[i]
+            active[i] = keeps[i] and not stops[i] and limits[i] > t + 1
+    return kept
 
 
 class AdaptiveDraftModelProposer(AdaptiveDraftLoop, DraftModelProposer):
