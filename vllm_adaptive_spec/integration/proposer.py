@@ -276,7 +276,7 @@ class AdaptiveDraftLoop:
         steps = max(limits)
         for t in range(cap):
             if t > 0 and block is not None:
-                if t >= steps if deferred is not None else not any(active):
+                if (t >= steps) if deferred is not None else not any(active):
                     break
                 hidden = block[:, t]
             elif t > 0:
