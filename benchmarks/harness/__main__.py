@@ -366,6 +366,7 @@ def main() -> None:
     ap.add_argument("--pearl", action="store_true", help="the batch-1 plan of PEARL against sequential speculation")
     ap.add_argument("--counts-only", action="store_true", help="only the count cells (no wall clock)")
     ap.add_argument("--workloads", nargs="*", help="only these prompt families (e.g. code_heldout)")
+    ap.add_argument("--batches", type=int, nargs="*", help="only the cells of these batch sizes (e.g. 4)")
     ap.add_argument(
         "--drafter",
         choices=("draft_model", "eagle3", "dflash"),
@@ -397,7 +398,9 @@ def main() -> None:
     plan.cells[:] = [
         c
         for c in plan.cells
-        if (not args.counts_only or not c.timed) and (not args.workloads or c.workload in args.workloads)
+        if (not args.counts_only or not c.timed)
+        and (not args.workloads or c.workload in args.workloads)
+        and (not args.batches or c.batch in args.batches)
     ]
     scaled = use_scaled_models(args, plan)
     drafter = use_drafter(args, plan)

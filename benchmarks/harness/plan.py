@@ -343,8 +343,11 @@ def batch_plan(steady: bool = False) -> Plan:
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
-    # the plugin's loop at vLLM K=1's settings: what the loop itself costs beside vLLM's own K=1
-    configs.append(Config("plugin fixed K=1", "plugin", "plugin fixed", 1, {"policy": "fixed"}, sweep=1, timed=True))
+    # the plugin's loop at vLLM K=1's and K=2's settings: what the loop itself costs beside vLLM's own
+    configs += [
+        Config(f"plugin fixed K={k}", "plugin", "plugin fixed", k, {"policy": "fixed"}, sweep=k, timed=True)
+        for k in (1, 2)
+    ]
     # the gate on the costs it measures as it runs (adaptive_spec.costs "online"), beside the same rows
     # on a cost file (--costs) or the bundled curves
     online = {"costs": "online"}

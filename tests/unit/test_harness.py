@@ -241,6 +241,9 @@ def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
 
     plan = batch_plan()
     assert sorted(c.k for c in plan.configs if c.family == "fixed K") == [1, 2, 3, 4]
+    # the plugin's own loop at vLLM K=1's and K=2's settings, gate off
+    loop = [c for c in plan.configs if c.family == "plugin fixed"]
+    assert [(c.k, c.adaptive) for c in loop] == [(1, {"policy": "fixed"}), (2, {"policy": "fixed"})]
     use_drafter(argparse.Namespace(drafter="eagle3", regime=False, batched=True), plan)
     names = {c.name for c in plan.configs}
     assert {"confidence 0.75 (tuned on train, c=4)", "confidence 0.75 gated (tuned on train, c=4)"} <= names
