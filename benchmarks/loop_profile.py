@@ -18,8 +18,6 @@ import os
 import pstats
 import time
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: the worker in this process
-
 
 def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
     from vllm import SamplingParams
@@ -52,6 +50,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: the worker in this process
     for plugin in (True, False, False, True):  # each twice, the order reversed: one run each is noisy
         got = profile(args.method, args.k, args.batch, plugin)
         print("plugin fixed" if plugin else "vLLM", f"K={args.k}", got, flush=True)
