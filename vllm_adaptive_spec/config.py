@@ -19,13 +19,8 @@ from vllm_adaptive_spec.policies.costs import load_costs
 
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
-PLUGIN_FIELDS = (
-    "policy",
-    "time_policy",
-    "batch_aware",
-    "costs",
-    "prepare_ahead",
-)  # the plugin's own; the rest are the policy's
+# the plugin's own fields; the rest are the policy's
+PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs", "prepare_ahead")
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
@@ -67,8 +62,8 @@ class AdaptiveSpecConfig:
             raise ConfigError(f"{CONFIG_KEY}.prepare_ahead: expected true or false, got {prepare_ahead!r}")
         if prepare_ahead and policy == "pearl":
             raise ConfigError(
-                f"{CONFIG_KEY}.prepare_ahead: true does not combine with policy 'pearl' (its draft runs on its own "
-                "thread, not in the step loop)"
+                f"{CONFIG_KEY}.prepare_ahead: true does not combine with policy 'pearl' (its draft runs in a worker of "
+                "its own, not in the step loop)"
             )
         costs = raw.get("costs")
         if costs is not None:
