@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from vllm_adaptive_spec.heads.cuda_graph import capture
+from vllm_adaptive_spec.heads.cuda_graph import bucket, capture
 from vllm_adaptive_spec.heads.eagle3 import rope_cos_sin, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class DenseDraft:
         """One decode step (its input at `position`) from the graph whose cache length covers it."""
         if position >= self.max_len:
             raise ValueError(f"position {position} is past the draft cache's max_len {self.max_len}")
-        keys = min(self.max_len, 1 << max(position, GRAPH_MIN_KEYS - 1).bit_length())
+        keys = min(self.max_len, bucket(max(position + 1, GRAPH_MIN_KEYS)))
         if keys not in self._graphs:
             # capturing runs the step twice first (a graph's warm-up): at the scratch positions past
             # max_len, so that it overwrites no cached token; then the step's inputs are restored

@@ -19,6 +19,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def bucket(n: int) -> int:
+    """The power of two a graph is captured for that covers n (n >= 1; 1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def capture(fn: Callable[[], T], device: torch.device) -> Callable[[], T]:
     """fn reads and writes only static tensors on `device` (CUDA); returns a replay of its kernels that
     returns fn's (static) outputs. Warmed up on a side stream first, as CUDA graph capture needs."""
@@ -61,15 +66,15 @@ class RowGraphs:
         if self.eager:
             return self.fn(x)
         b = x.shape[0]
-        bucket = 1 << max(b - 1, 0).bit_length()
-        if bucket not in self._graphs:
-            inp = torch.zeros(bucket, self.width, dtype=self.dtype, device=self.device)
+        rows = bucket(b)
+        if rows not in self._graphs:
+            inp = torch.zeros(rows, self.width, dtype=self.dtype, device=self.device)
             try:
-                self._graphs[bucket] = (inp, self._capture(lambda: self.fn(inp), self.device))
+                self._graphs[rows] = (inp, self._capture(lambda: self.fn(inp), self.device))
             except RuntimeError as exc:
                 logger.warning("adaptive_spec: a stopping head's CUDA graph failed (%s); it runs eagerly", exc)
                 self.eager = True
                 return self.fn(x)
-        inp, replay = self._graphs[bucket]
+        inp, replay = self._graphs[rows]
         inp[:b].copy_(x)
         return replay()[:b]
