@@ -31,6 +31,7 @@ from pathlib import Path
 from benchmarks.harness.report import batch_forwards
 from benchmarks.paths import REPO
 from vllm_adaptive_spec.config import BASELINES
+from vllm_adaptive_spec.policies.costs import non_decreasing
 
 POLICY_OF_FAMILY = {
     "svip": "svip",
@@ -58,18 +59,9 @@ def interp(points: list[list[float]], x: float) -> float:
 
 
 def nondecreasing(points: list[list[float]]) -> list[list[float]]:
-    """Least-squares non-decreasing fit of [x, y] points (pool adjacent violators), sorted by x."""
-    blocks: list[list[float]] = []  # [sum y, count, first index]
+    """Least-squares non-decreasing fit of [x, y] points (the cost meter's pool adjacent violators), sorted by x."""
     pts = sorted(points)
-    for i, (_, y) in enumerate(pts):
-        blocks.append([y, 1, i])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            y2, n2, _ = blocks.pop()
-            blocks[-1][0] += y2
-            blocks[-1][1] += n2
-    fit = [0.0] * len(pts)
-    for total, n, first in blocks:
-        fit[first : first + int(n)] = [total / n] * int(n)
+    fit = non_decreasing([(x, y, 1) for x, y in pts])
     return [[x, round(v, 4)] for (x, _), v in zip(pts, fit)]
 
 

@@ -100,7 +100,7 @@ class StepCosts:
         return self._verify_list[max_tokens]
 
 
-def _non_decreasing(points: list[tuple[float, float, int]]) -> list[float]:
+def non_decreasing(points: list[tuple[float, float, int]]) -> list[float]:
     """The weighted least-squares non-decreasing fit (pool adjacent violators) of (size, y, weight)
     points sorted by size -> the fitted y per point."""
     blocks: list[list[float]] = []  # [mean y, weight, points pooled]
@@ -158,7 +158,7 @@ class CostMeter:
             if len(times) >= self.min_samples:
                 pts.append((sum(sizes) / len(sizes), sorted(times)[len(times) // 2], len(times)))
         pts.sort()
-        return [[x, y] for (x, _, _), y in zip(pts, _non_decreasing(pts))]
+        return [[x, y] for (x, _, _), y in zip(pts, non_decreasing(pts))]
 
     def curves(self) -> dict[str, list[list[float]]]:
         measured = {k: self.measured(k) for k in self.KINDS}
