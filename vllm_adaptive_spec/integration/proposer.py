@@ -3,7 +3,7 @@
 One loop (`AdaptiveDraftLoop`) serves every drafter the plugin supports; a
 drafter is a two-line adapter that puts the loop in front of vLLM's own
 proposer class (`AdaptiveDraftModelProposer` for an independent draft model,
-`AdaptiveEagleProposer` for EAGLE / EAGLE-3 heads, `AdaptiveDFlashProposer`
+`AdaptiveEagleProposer` for EAGLE / EAGLE-3 heads and MTP layers, `AdaptiveDFlashProposer`
 for DFlash block drafters). What differs per drafter
 stays vLLM's: the first pass's inputs (`set_inputs_first_pass`, the EAGLE-3
 fused target features), whether the model reads a hidden state
@@ -470,7 +470,8 @@ class _FusedFeatures:
 
 
 class AdaptiveEagleProposer(_FusedFeatures, AdaptiveDraftLoop, EagleProposer):
-    """methods "eagle" and "eagle3": a head that reads the target's hidden states and its own last state."""
+    """methods "eagle", "eagle3" and "mtp": a head (or the target's own MTP layer) that reads the target's
+    hidden states and its own last state."""
 
 
 class AdaptiveDFlashProposer(_FusedFeatures, AdaptiveDraftLoop, DFlashProposer):
@@ -482,5 +483,6 @@ DRAFTERS: dict[str, type[AdaptiveDraftLoop]] = {
     "draft_model": AdaptiveDraftModelProposer,
     "eagle": AdaptiveEagleProposer,
     "eagle3": AdaptiveEagleProposer,
+    "mtp": AdaptiveEagleProposer,  # vLLM drafts with MTP layers through its EagleProposer too
     "dflash": AdaptiveDFlashProposer,
 }
