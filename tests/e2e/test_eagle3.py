@@ -257,3 +257,67 @@ def test_every_supported_method_has_a_drafter():
     from vllm_adaptive_spec.integration.proposer import DRAFTERS
 
     assert set(DRAFTERS) == set(SUPPORTED_METHODS)
+
+
+def _write_eagle1_head(out) -> str:
+    """A random EAGLE-1 head in vLLM's Llama layout (`EagleLlamaForCausalLM`) for the toy target: `fc`
+    passes the target's hidden state through, the decoder layer's outputs are small. Nothing is
+    trained for method "eagle" (its drafts are almost never accepted); it exercises the path."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inner, gen = 256, 768, torch.Generator().manual_seed(0)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    fc = torch.zeros(hidden, 2 * hidden)  # reads cat([token embedding, target hidden state])
+    fc[:, hidden:] = torch.eye(hidden)
+    layer = "layers.0."
+    tensors = {
+        "fc.weight": fc,
+        layer + "self_attn.q_proj.weight": normal(4 * 64, hidden, std=hidden**-0.5),
+        layer + "self_attn.k_proj.weight": normal(2 * 64, hidden, std=hidden**-0.5),
+        layer + "self_attn.v_proj.weight": normal(2 * 64, hidden, std=hidden**-0.5),
+        layer + "self_attn.o_proj.weight": normal(hidden, 4 * 64, std=1e-3),
+        layer + "mlp.gate_proj.weight": normal(inner, hidden, std=hidden**-0.5),
+        layer + "mlp.up_proj.weight": normal(inner, hidden, std=hidden**-0.5),
+        layer + "mlp.down_proj.weight": normal(hidden, inner, std=1e-3),
+        layer + "post_attention_layernorm.weight": torch.ones(hidden),
+    }
+    config = {
+        "architectures": ["EagleLlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inner,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 1,
+        "vocab_size": 6144,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_an_eagle1_head_runs_through_the_shared_loop(tmp_path, lossless_prompts, lossless_reference):
+    """method "eagle" (EAGLE-1): the same adapter as eagle3, without the fused target features."""
+    spec = {"method": "eagle", "model": _write_eagle1_head(tmp_path), "num_speculative_tokens": 3}
+    llm = make_llm(speculative_config=spec, additional_config={"adaptive_spec": {"policy": "svip"}})
+    try:
+        assert llm.collective_rpc(_drafter_name) == ["AdaptiveEagleProposer"]
+        got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+        (snap,) = released_stats(llm)
+    finally:
+        close_llm(llm)
+    assert got == lossless_reference, first_mismatch(got, lossless_reference)
+    assert snap["workload"]["n_draft"] > 0 and snap["requests"] == {} and snap["tracked"] == 0, snap
