@@ -1,6 +1,13 @@
 """cProfile of the draft side in one process: the plugin's loop against vLLM's, at the same K.
 
     .venv/bin/python -m benchmarks.loop_profile --method eagle3 --k 1 --batch 4
+    .venv/bin/python -m benchmarks.loop_profile --ab --repeats 11 --out DIR   # timing, no profiler
+
+With `--ab`, no profiler: every engine of `AB_ENGINES` lives in this process at once, and they take
+turns serving the same 32 prompts (order rotated each repeat); prints and saves (DIR/ab.json) each
+engine's median seconds and its per-repeat speed ratios to the first engine (vLLM's own loop at
+`--k`). One process with no engine-core or worker processes beside it is the quietest setting this
+machine has for a few-percent difference.
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the worker's Python is
 profiled), once with `adaptive_spec` {"policy": "fixed"} and once without the plugin, serving 32
@@ -14,9 +21,22 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
+import statistics
 import time
+from pathlib import Path
+
+# --ab: name -> (cap K or None for no speculation, adaptive_spec or None); the first is the baseline
+AB_ENGINES: dict[str, tuple[int | None, dict | None]] = {
+    "vLLM K": (0, None),  # 0: --k
+    "vLLM K=2": (2, None),
+    "plugin fixed K": (0, {"policy": "fixed"}),
+    "batch gate alone (cap 16)": (16, {"policy": "fixed", "batch_aware": True}),
+    "confidence 0.4 (cap 16)": (16, {"policy": "confidence"}),
+    "no speculation": (None, None),
+}
 
 
 def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
@@ -44,13 +64,66 @@ def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
     return {"wall_s": round(wall, 3), "steps": calls, "propose_ms_per_step": round(1e3 * cum / max(calls, 1), 3)}
 
 
+def ab(method: str, k: int, batch: int, repeats: int) -> dict:
+    """The engines of AB_ENGINES side by side in this process (see the module doc)."""
+    from vllm import SamplingParams
+
+    from benchmarks import vllm_run
+    from benchmarks.paths import load_prompts
+
+    prompts = load_prompts("code_heldout", 32)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    engines = {}
+    for name, (cap, adaptive) in AB_ENGINES.items():
+        if cap == 0:  # at --k
+            name, cap = name.replace("K", f"K={k}"), k
+        if name not in engines:  # (--k 2: one vLLM K=2)
+            engines[name] = vllm_run.make_llm(cap, adaptive, method=method, max_num_seqs=batch)
+            engines[name].generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    names = list(engines)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            outs = engines[name].generate(prompts, params, use_tqdm=False)
+            seconds[name].append(time.perf_counter() - start)
+            tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+    for llm in engines.values():
+        vllm_run.close_llm(llm)
+    base = seconds[names[0]]
+    return {
+        "settings": {"method": method, "k": k, "batch": batch, "repeats": repeats, "prompts": 32, "max_tokens": 64},
+        "engines": {
+            n: {
+                "median_s": statistics.median(seconds[n]),
+                "speed_vs_first": statistics.median(b / s for b, s in zip(base, seconds[n])),
+                "per_repeat": [round(b / s, 4) for b, s in zip(base, seconds[n])],
+                "same_tokens_as_first": tokens[n] == tokens[names[0]],
+            }
+            for n in names
+        },
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="eagle3")
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--ab", action="store_true", help="time AB_ENGINES side by side instead of profiling")
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--out", type=Path, help="--ab: folder for ab.json")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: the worker in this process
+    if args.ab:
+        result = ab(args.method, args.k, args.batch, args.repeats)
+        for name, row in result["engines"].items():
+            print(f"{name}: median {row['median_s']:.3f} s, {row['speed_vs_first']:.3f}x the first", flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")
+        return
     for plugin in (True, False, False, True):  # each twice, the order reversed: one run each is noisy
         got = profile(args.method, args.k, args.batch, plugin)
         print("plugin fixed" if plugin else "vLLM", f"K={args.k}", got, flush=True)
