@@ -121,6 +121,22 @@ def _assert_drafts_what_vllms_mtp_loop_drafts(llm, vllm_mtp_llm) -> None:
     assert own["n_draft"] <= vllm["n_draft"]
 
 
+def test_a_head_trained_for_another_drafter_fails_on_an_mtp_engine(mimo_dir):
+    """SpecDec++ and Pacer heads are trained for one drafter (their fingerprint): none for MTP yet."""
+    from benchmarks.harness.plan import EAGLE3_SPECDECPP_HEAD, PACER_HEAD
+    from vllm_adaptive_spec import ConfigError
+
+    for policy, head in (("specdecpp", EAGLE3_SPECDECPP_HEAD), ("pacer", PACER_HEAD)):
+        with pytest.raises(ConfigError) as err:
+            _llm(
+                mimo_dir,
+                speculative_config=_mtp(),
+                additional_config={"adaptive_spec": {"policy": policy, "head": str(head)}},
+            )
+        msg = str(err.value)
+        assert msg.startswith("adaptive_spec.head: ") and "the running draft is" in msg, msg
+
+
 class _HfConfig:
     model_type = "qwen2"
 
