@@ -134,6 +134,27 @@ def first_mismatch(got: list[list[int]], want: list[list[int]]) -> str:
     return "lengths differ"
 
 
+def same_work_as_vllm(plugin_llm, vllm_llm) -> dict:
+    """The plugin's loop (policy fixed) against vLLM's own at the same K, on 20 held-out prompts neither
+    engine has seen (vLLM's engine needs per-request spec-decode metrics). Asserts the same tokens,
+    the same target passes and the same drafts kept, summed over requests (counted as
+    test_exact_counts.py counts them: vLLM's accepted counter also counts drafts accepted past
+    max_tokens, which the plugin never drafts), and no more drafts proposed. Returns the plugin's counts."""
+    from benchmarks.harness.worker import _delta, plugin_totals, request_counts
+
+    prompts = load_prompts("code_heldout", N_LOSSLESS + 20)[N_LOSSLESS:]
+    params = greedy_params(MAX_TOKENS)
+    outs = vllm_llm.generate(prompts, params, use_tqdm=False)
+    vllm = request_counts(outs, speculative=True)
+    own0 = plugin_totals(plugin_llm)
+    got = [list(o.outputs[0].token_ids) for o in plugin_llm.generate(prompts, params, use_tqdm=False)]
+    own = _delta(plugin_totals(plugin_llm), own0, 1)
+    assert got == [list(o.outputs[0].token_ids) for o in outs]
+    assert (own["n_gen"], own["n_target"], own["n_accepted"]) == (vllm["n_gen"], vllm["n_target"], vllm["n_accepted"])
+    assert own["n_draft"] <= vllm["n_draft"]
+    return own
+
+
 @pytest.fixture(scope="session")
 def reference_tokens(ref_llm, prompts) -> list[list[int]]:
     return greedy(ref_llm, prompts)
