@@ -39,15 +39,20 @@ AB_ENGINES: dict[str, tuple[int | None, dict | None]] = {
 }
 
 
-def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
+def _workload():
+    """What every engine serves: 32 held-out code prompts x 64 tokens, greedy, ignore_eos."""
     from vllm import SamplingParams
 
-    from benchmarks import vllm_run
     from benchmarks.paths import load_prompts
 
+    return load_prompts("code_heldout", 32), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
+    from benchmarks import vllm_run
+
     llm = vllm_run.make_llm(k, {"policy": "fixed"} if plugin else None, method=method, max_num_seqs=batch)
-    prompts = load_prompts("code_heldout", 32)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompts, params = _workload()
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     prof = cProfile.Profile()
     start = time.perf_counter()
@@ -66,13 +71,9 @@ def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
 
 def ab(method: str, k: int, batch: int, repeats: int) -> dict:
     """The engines of AB_ENGINES side by side in this process (see the module doc)."""
-    from vllm import SamplingParams
-
     from benchmarks import vllm_run
-    from benchmarks.paths import load_prompts
 
-    prompts = load_prompts("code_heldout", 32)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompts, params = _workload()
     engines = {}
     for name, (cap, adaptive) in AB_ENGINES.items():
         if cap == 0:  # at --k
