@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from benchmarks import vllm_run
 from tests.conftest import TRACE_FILE, make_llm, spec_config
 
 pytestmark = pytest.mark.e2e
@@ -68,6 +69,20 @@ def test_with_adaptive_spec_the_plugin_is_active(adaptive_llm):
             {"speculative_config": spec_config(), "additional_config": {"adaptive_spec": "fixed"}},
             "adaptive_spec: expected a mapping",
         ),
+        (  # the runner's unpadded path bypassed the loop's feedback: EAGLE-3 ran lossless, counting no drafts
+            {
+                "speculative_config": vllm_run.spec_config(4, "eagle3") | {"disable_padded_drafter_batch": True},
+                "additional_config": {"adaptive_spec": {"policy": "svip"}},
+            },
+            "speculative_config.disable_padded_drafter_batch=False (got True)",
+        ),
+        (  # the policies read the whole draft distribution, which a local argmax never gathers
+            {
+                "speculative_config": vllm_run.spec_config(4, "eagle3") | {"use_local_argmax_reduction": True},
+                "additional_config": {"adaptive_spec": {"policy": "fixed"}},
+            },
+            "speculative_config.use_local_argmax_reduction=False (got True)",
+        ),
     ],
 )
 def test_bad_config_fails_at_startup_with_one_clear_error(kwargs, needle):
@@ -78,3 +93,35 @@ def test_bad_config_fails_at_startup_with_one_clear_error(kwargs, needle):
         make_llm(**kwargs)
     assert needle in str(err.value)
     assert time.monotonic() - start < 60
+
+
+_TWO_ENGINES = """
+import os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+from benchmarks.paths import load_prompts
+from tests.conftest import greedy, make_llm, spec_config
+from vllm_adaptive_spec.integration.runtime import get_stats
+
+engines = [
+    make_llm(speculative_config=spec_config(), additional_config={"adaptive_spec": {"policy": p}}, max_num_seqs=4)
+    for p in ("fixed", "svip")
+]
+greedy(engines[0], load_prompts("code_heldout", 2), 16)
+for llm in engines:
+    print("ENGINE", [(s["policy"], s["workload"]["n_gen"]) for s in get_stats(llm)])
+"""
+
+
+def test_get_stats_reports_each_engine_of_a_process_only():
+    """Two engines in one process (no engine-core or worker processes) share the plugin's module: each
+    engine's statistics must be its own (before the fix each reported both proposers)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = os.environ | {"PYTHONPATH": root}
+    run = subprocess.run([sys.executable, "-c", _TWO_ENGINES], cwd=root, env=env, capture_output=True, text=True)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ENGINE")]
+    assert run.returncode == 0 and len(lines) == 2, run.stderr[-3000:]
+    assert lines == ["ENGINE [('fixed', 32)]", "ENGINE [('svip', 0)]"]

@@ -54,6 +54,19 @@ SUPPORTED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
 PARALLEL_METHODS = ("dflash",)
 
 
+# vLLM switches that take a path the adaptive loop does not read; refused rather than silently ignored
+_UNSERVED_SPEC_FIELDS = {
+    # the runner then hands the drafter the verification outcome through prepare_next_token_ids_cpu and
+    # prepare_inputs, which the loop does not hook: drafts would stay lossless but every policy's
+    # feedback and the plugin's counts would read "nothing verified"
+    "disable_padded_drafter_batch": "the adaptive loop reads each round's verification outcome from "
+    "vLLM's padded drafter batch",
+    # the policies read the draft's whole distribution; a local argmax never gathers it
+    "use_local_argmax_reduction": "stopping policies read the draft's full distribution, which a local "
+    "argmax never gathers",
+}
+
+
 def _mtp_refusal(spec: Any) -> str | None:
     """Why the plugin cannot serve this MTP drafter, or None. vLLM runs most MTP layers through its
     EagleProposer (the loop in front of it is ours); these take a proposer or a draft step of their own."""
@@ -80,6 +93,9 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
     why = _mtp_refusal(spec) if method == "mtp" else None
     if why is not None:
         raise ConfigError(f"adaptive_spec does not support this speculative_config.method='mtp' drafter yet: {why}")
+    for field, why in _UNSERVED_SPEC_FIELDS.items():
+        if getattr(spec, field, False):
+            raise ConfigError(f"adaptive_spec needs speculative_config.{field}=False (got True): {why}")
     if method in PARALLEL_METHODS and cfg.batch_aware:
         if vllm_config.additional_config[CONFIG_KEY].get("batch_aware") is True:
             raise ConfigError(

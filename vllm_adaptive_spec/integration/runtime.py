@@ -48,15 +48,19 @@ def active_policies() -> list[str]:
     return list(_policies)
 
 
-def worker_stats() -> list[dict]:
-    """Snapshots of every adaptive proposer in this process."""
+def worker_stats(runner: Any = None) -> list[dict]:
+    """Snapshots of the adaptive proposers of one model runner (None: every one in this process).
+
+    Engines running in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) share this module, so a worker
+    asks for its own runner's: otherwise each engine would report the others' statistics too."""
     return [
         p.stats.snapshot()
         | {"policy": p.policy.name, "tracked": p.policy.num_tracked(), "prepare_ahead": p.prepare_ahead}
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
         | ({"gate_costs": _gate_costs(p.gate)} if p.gate is not None and p.gate.meter is not None else {})
         | ({"parallel": p.parallel_stats()} if hasattr(p, "parallel_stats") else {})
-        for p in _proposers
+        for p in list(_proposers)
+        if runner is None or p.runner is runner
     ]
 
 
@@ -66,7 +70,7 @@ def _gate_costs(gate: Any) -> dict:
 
 
 def _stats_rpc(worker: Any) -> list[dict]:
-    return worker_stats()
+    return worker_stats(worker.model_runner)
 
 
 def get_stats(llm: Any) -> list[dict]:

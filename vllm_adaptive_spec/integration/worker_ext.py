@@ -17,4 +17,4 @@ WORKER_EXTENSION = f"{__name__}.AdaptiveSpecWorkerExtension"
 class AdaptiveSpecWorkerExtension:
     def adaptive_spec_stats(self) -> list[dict]:
         """Snapshots of this worker's adaptive proposers (see runtime.worker_stats)."""
-        return worker_stats()
+        return worker_stats(self.model_runner)
