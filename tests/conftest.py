@@ -98,10 +98,23 @@ def released_stats(llm, timeout_s: float = 30.0) -> list[dict]:
         time.sleep(0.1)
 
 
+# Structured outputs (vLLM's grammar backend, xgrammar by default): the scheduler cuts each draft at its
+# first token the grammar refuses, and the target's pass masks every verified position.
+STRUCTURED_REGEX = r"def [a-z_]{1,12}\(([a-z_]{1,8}, ){0,3}[a-z_]{1,8}\):"
+STRUCTURED_JSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"}},
+    "required": ["name", "size"],
+}
+
+
 # Request settings that change what the target emits (penalties, banned and allowed tokens, a
-# minimum length, stop strings, log-probabilities): drafts are verified against the distribution they
-# give, so greedy output with speculation must still equal the target's alone under each of them.
+# minimum length, stop strings, log-probabilities, structured outputs): drafts are verified against the
+# distribution they give, so greedy output with speculation must still equal the target's alone under
+# each of them.
 def request_settings() -> dict[str, dict]:
+    from vllm.sampling_params import StructuredOutputsParams
+
     return {
         "repetition_penalty": {"repetition_penalty": 1.3},
         "presence_frequency": {"presence_penalty": 1.0, "frequency_penalty": 0.5},
@@ -110,6 +123,9 @@ def request_settings() -> dict[str, dict]:
         "min_tokens": {"min_tokens": 40},
         "stop": {"stop": ["\n\n", "return"]},
         "logprobs": {"logprobs": 2, "prompt_logprobs": 1},
+        "structured_regex": {"structured_outputs": StructuredOutputsParams(regex=STRUCTURED_REGEX)},
+        "structured_choice": {"structured_outputs": StructuredOutputsParams(choice=["return x", "pass", "yield"])},
+        "structured_json": {"structured_outputs": StructuredOutputsParams(json=STRUCTURED_JSON)},
     }
 
 
