@@ -17,6 +17,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Structured outputs of the lossless tests and benchmarks.grammar_stop (vLLM's grammar backend, xgrammar by
+# default): the scheduler cuts each draft at its first token the grammar refuses, and the target's pass
+# masks every verified position.
+STRUCTURED_REGEX = r"def [a-z_]{1,12}\(([a-z_]{1,8}, ){0,3}[a-z_]{1,8}\):"
+STRUCTURED_JSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"}},
+    "required": ["name", "size"],
+}
+
+
 def spec_config(k: int, method: str = "draft_model") -> dict:
     """Speculation with the bundled drafter of `method` (benchmarks.paths.DRAFTERS), cap K."""
     return {"method": method, "model": str(DRAFTERS[method]), "num_speculative_tokens": k}

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 from benchmarks import vllm_run  # noqa: E402
 from benchmarks.paths import load_prompts  # noqa: E402
-from benchmarks.vllm_run import close_llm  # noqa: E402,F401
+from benchmarks.vllm_run import STRUCTURED_JSON, STRUCTURED_REGEX, close_llm  # noqa: E402,F401
 
 K = 4
 N_PROMPTS = 20
@@ -96,16 +96,6 @@ def released_stats(llm, timeout_s: float = 30.0) -> list[dict]:
         if all(s["requests"] == {} and s["tracked"] == 0 for s in stats) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
-
-
-# Structured outputs (vLLM's grammar backend, xgrammar by default): the scheduler cuts each draft at its
-# first token the grammar refuses, and the target's pass masks every verified position.
-STRUCTURED_REGEX = r"def [a-z_]{1,12}\(([a-z_]{1,8}, ){0,3}[a-z_]{1,8}\):"
-STRUCTURED_JSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"}},
-    "required": ["name", "size"],
-}
 
 
 # Request settings that change what the target emits (penalties, banned and allowed tokens, a

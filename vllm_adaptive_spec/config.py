@@ -20,7 +20,7 @@ from vllm_adaptive_spec.policies.costs import load_costs
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
 # the plugin's own fields; the rest are the policy's
-PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs", "prepare_ahead")
+PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs", "prepare_ahead", "grammar_stop")
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
@@ -35,6 +35,9 @@ class AdaptiveSpecConfig:
     costs: str | None = None  # cost-curve file (policies/costs.py); None: the bundled curves; "online": measured
     # the loop prepares draft step t+1's inputs before it waits for step t's decisions; None: on CUDA only
     prepare_ahead: bool | None = None
+    # under structured outputs a row stops drafting at its first draft token the grammar refuses
+    # (integration/grammar.py); default on for adaptive policies
+    grammar_stop: bool = False
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -64,6 +67,14 @@ class AdaptiveSpecConfig:
             raise ConfigError(
                 f"{CONFIG_KEY}.prepare_ahead: true does not combine with policy 'pearl' (its draft runs in a worker of "
                 "its own, not in the step loop)"
+            )
+        grammar_stop = raw.get("grammar_stop", policy not in BASELINES)
+        if not isinstance(grammar_stop, bool):
+            raise ConfigError(f"{CONFIG_KEY}.grammar_stop: expected true or false, got {grammar_stop!r}")
+        if grammar_stop and policy == "pearl":
+            raise ConfigError(
+                f"{CONFIG_KEY}.grammar_stop: true does not combine with policy 'pearl' (its draft runs ahead of "
+                "the target, in a worker of its own)"
             )
         costs = raw.get("costs")
         if costs is not None:
@@ -100,6 +111,7 @@ class AdaptiveSpecConfig:
             batch_aware=batch_aware,
             costs=costs,
             prepare_ahead=prepare_ahead,
+            grammar_stop=grammar_stop,
         )
 
     @property

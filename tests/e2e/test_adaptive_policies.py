@@ -19,6 +19,7 @@ from tests.conftest import (
     settings_outputs,
     spec_config,
 )
+from vllm_adaptive_spec.config import BASELINES
 from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS
 
 pytestmark = pytest.mark.e2e
@@ -156,8 +157,17 @@ def test_never_drafts_past_max_tokens(policy_llm, lossless_prompts):
 def test_request_settings_keep_output_lossless(policy_llm, prompts, settings_reference):
     """Penalties, banned and allowed tokens, min_tokens, stop strings and logprobs: greedy output
     equals no speculation's under each (conftest.request_settings)."""
-    _, llm = policy_llm
+    (method, policy), llm = policy_llm
     got = settings_outputs(llm, prompts[:4])
     for name, want in settings_reference.items():
         assert got[name] == want, f"{name}: " + first_mismatch([t for t, _ in got[name]], [t for t, _ in want])
     assert all(n == len(t) > 0 for t, n in got["logprobs"])  # one logprob entry per sampled token
+    # the grammar stop (default on for adaptive policies, off for the baselines and the block drafter)
+    # kept the outputs above; its matchers are released with their requests
+    (snap,) = released_stats(llm)
+    grammar_stop = policy not in BASELINES and method != "dflash"
+    assert ("grammar_stops" in snap) == grammar_stop
+    if grammar_stop:
+        assert snap["grammar_tracked"] == 0
+    if (method, policy) == ("eagle3", "svip"):
+        assert snap["grammar_stops"] > 0  # the structured requests ended rounds at refused draft tokens

@@ -40,6 +40,8 @@ def test_fixed_policy():
         ({"policy": "heuristic", "initial": True}, "adaptive_spec.initial: expected int, got True"),
         ({"policy": "svip", "prepare_ahead": "yes"}, "adaptive_spec.prepare_ahead: expected true or false, got 'yes'"),
         ({"policy": "pearl", "prepare_ahead": True}, "adaptive_spec.prepare_ahead: true does not combine with"),
+        ({"policy": "svip", "grammar_stop": 1}, "adaptive_spec.grammar_stop: expected true or false, got 1"),
+        ({"policy": "pearl", "grammar_stop": True}, "adaptive_spec.grammar_stop: true does not combine with"),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],
@@ -57,3 +59,14 @@ def test_prepare_ahead_is_a_plugin_field_and_defaults_to_the_device():
     cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "prepare_ahead": True})
     assert cfg.prepare_ahead is True and cfg.params == {}
     assert AdaptiveSpecConfig.from_dict({"policy": "pearl", "prepare_ahead": False}).prepare_ahead is False
+
+
+def test_grammar_stop_is_on_for_adaptive_policies_and_off_for_the_baselines():
+    from vllm_adaptive_spec.config import AdaptiveSpecConfig
+
+    assert AdaptiveSpecConfig.from_dict({"policy": "svip"}).grammar_stop is True
+    for baseline in ("fixed", "vllm_av", "pearl"):
+        assert AdaptiveSpecConfig.from_dict({"policy": baseline}).grammar_stop is False
+    cfg = AdaptiveSpecConfig.from_dict({"policy": "fixed", "grammar_stop": True})
+    assert cfg.grammar_stop is True and cfg.params == {}
+    assert AdaptiveSpecConfig.from_dict({"policy": "confidence", "grammar_stop": False}).grammar_stop is False

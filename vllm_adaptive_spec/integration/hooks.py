@@ -103,6 +103,16 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
                 "(the block is drafted in one forward, so there is no next draft step to weigh)"
             )
         cfg = dataclasses.replace(cfg, batch_aware=False)  # the default for adaptive policies, off here
+    if cfg.grammar_stop:
+        why = None
+        if method in PARALLEL_METHODS:
+            why = f"speculative_config.method={method!r} drafts its block in one forward: no draft step to save"
+        elif parser := getattr(getattr(vllm_config, "structured_outputs_config", None), "reasoning_parser", None):
+            why = f"with a reasoning parser ({parser!r}) the grammar starts where reasoning ends"
+        if why is not None:
+            if vllm_config.additional_config[CONFIG_KEY].get("grammar_stop") is True:
+                raise ConfigError(f"adaptive_spec.grammar_stop: true does not combine with this engine: {why}")
+            cfg = dataclasses.replace(cfg, grammar_stop=False)  # the default for adaptive policies, off here
     if cfg.policy == "pearl":
         if method != "draft_model":
             raise ConfigError(

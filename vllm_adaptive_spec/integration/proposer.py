@@ -44,6 +44,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
+from vllm_adaptive_spec.integration.grammar import GrammarStops
 from vllm_adaptive_spec.policies import StopPolicy
 from vllm_adaptive_spec.policies.batch_gate import draft_top
 from vllm_adaptive_spec.policies.step import decisions_to_host, policy_logprobs
@@ -76,6 +77,10 @@ class AdaptiveDraftLoop:
         self.policy.device = device
         self.stats = StatsBook()
         self.gate = cfg.build_gate()  # batch-aware stopping beside the policy, or None
+        # structured outputs: a row stops at its first draft token the grammar refuses (hooks: off for
+        # block drafters, whose one forward drafts the block)
+        self.grammar = GrammarStops(vllm_config) if cfg.grammar_stop else None
+        self._sampled: torch.Tensor | None = None  # [B, K+1] this step's tokens (the first valid_counts[i])
         # Prepare step t+1's inputs before waiting for step t's decisions (see _draft_step_inputs): on an
         # asynchronous device that host work overlaps step t's kernels; on CPU it only adds a wasted
         # preparation to every round that a stop ends, so by default only on CUDA.
@@ -89,9 +94,10 @@ class AdaptiveDraftLoop:
 
     # -- feedback from verification (called by the runner before propose) --
 
-    def prepare_next_token_ids_padded(self, *args, **kwargs):
-        next_token_ids, valid_counts = super().prepare_next_token_ids_padded(*args, **kwargs)
+    def prepare_next_token_ids_padded(self, sampled_token_ids, *args, **kwargs):
+        next_token_ids, valid_counts = super().prepare_next_token_ids_padded(sampled_token_ids, *args, **kwargs)
         self._valid_counts = valid_counts
+        self._sampled = sampled_token_ids
         self._verified_drafts = None
         return next_token_ids, valid_counts
 
@@ -122,6 +128,8 @@ class AdaptiveDraftLoop:
             self.policy.forget(req_id)
             if self.gate is not None:
                 self.gate.forget(req_id)
+            if self.grammar is not None:
+                self.grammar.forget(req_id)
 
     def _round_limits(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
         """Per request: the policy's length bound, never past max_tokens or the model length."""
@@ -253,6 +261,9 @@ class AdaptiveDraftLoop:
             positions = self.positions[sample_idx]  # [B]
         else:
             hidden = block[:, 0]
+        grammar = self.grammar
+        if grammar is not None and not grammar.start_round(req_ids, self.runner.requests, self._sampled, generated):
+            grammar = None  # no structured request with a compiled grammar in this round
         # Per-row bookkeeping lives on the host: one copy of the policy's decisions per step (the
         # sync that ending the loop early needs anyway) instead of a dozen tiny tensor ops.
         active = [n > 0 for n in limits]  # rows still drafting
@@ -319,6 +330,8 @@ class AdaptiveDraftLoop:
                     t + 1, tokens, carried, positions, cad, launch, num_rejected_tokens_gpu
                 )
             keeps, stops, tops = decisions_to_host(decision.keep, decision.stop, top)
+            if grammar is not None:  # a row stops after its first draft token the grammar refuses
+                grammar.refuse(tokens.tolist(), active, keeps, stops)
             if t == 0 and steady:
                 steps_start = time.perf_counter()  # the first pass is done; the draft steps start
             kept = _account(t, keeps, stops, limits, active, lengths, drawn)
@@ -338,6 +351,8 @@ class AdaptiveDraftLoop:
         if gate is not None:
             with self._timed():
                 gate.finish_round()
+        if grammar is not None:
+            grammar.end_round()
         if self.policy.trims:  # e.g. vllm_av: the whole round drafted, now choose what is verified
             admitted = self.policy.admit(torch.tensor(lengths, device=hidden.device))
             if self._tp_group is not None:

@@ -57,6 +57,11 @@ def worker_stats(runner: Any = None) -> list[dict]:
         p.stats.snapshot()
         | {"policy": p.policy.name, "tracked": p.policy.num_tracked(), "prepare_ahead": p.prepare_ahead}
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
+        | (
+            {"grammar_stops": p.grammar.stops, "grammar_tracked": p.grammar.num_tracked()}
+            if p.grammar is not None
+            else {}
+        )
         | ({"gate_costs": _gate_costs(p.gate)} if p.gate is not None and p.gate.meter is not None else {})
         | ({"parallel": p.parallel_stats()} if hasattr(p, "parallel_stats") else {})
         for p in list(_proposers)

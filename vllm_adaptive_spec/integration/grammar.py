@@ -1,0 +1,146 @@
+"""Grammar stops: under structured outputs a row stops drafting at its first draft token the grammar refuses.
+
+vLLM's scheduler cuts every draft at its first token the request's grammar refuses before the target
+verifies it (the target's pass masks each verified position with the grammar, so it could never accept
+that token), and everything drafted after it is thrown away. The loop can know that as soon as the token
+is drawn: the worker keeps a matcher per structured request (vLLM's own grammar backend, compiled on
+a background thread), advances it over the request's output at the start of each round, offers it
+each draft token as it is drawn, and ends the row's round after the first one it refuses. That token
+stays in the draft and the scheduler cuts it as before, so what the target verifies does not change:
+only when drafting ends. At the round's end the matchers roll their draft tokens back.
+
+A matcher that is not compiled yet, fails to compile or fails to follow the request's own output
+(it never should) makes no stops for its request; nothing here can change an output, only how many
+draft steps a round runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """What vLLM's StructuredOutputManager reads of a request to compile its grammar."""
+
+    request_id: str
+    sampling_params: Any
+    structured_output_request: Any
+    use_structured_output: bool = True
+
+
+@dataclass
+class _Matcher:
+    request: _Request
+    fed: int = 0  # output tokens the grammar has consumed
+    drafted: int = 0  # draft tokens it has consumed this round (rolled back at the round's end)
+    broken: bool = False  # it refused the request's own output: no stops for this request
+
+    @property
+    def grammar(self) -> Any:
+        """vLLM's compiled grammar, or None while compiling or after a failed compilation."""
+        if self.broken:
+            return None
+        grammar = self.request.structured_output_request.grammar  # None while the future runs
+        return None if isinstance(grammar, Exception) else grammar
+
+
+@dataclass
+class GrammarStops:
+    vllm_config: Any
+    stops: int = 0  # rows whose round a refused draft token ended
+    _matchers: dict[str, _Matcher] = field(default_factory=dict)
+    _round: list[tuple[int, str, _Matcher, Any]] = field(default_factory=list)  # (row, request, matcher, grammar)
+    _manager: Any = None  # vLLM's StructuredOutputManager, built on the background thread
+    _compiler: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "adaptive-spec-grammar"))
+
+    def start_round(
+        self, req_ids: list[str], requests: dict, sampled: torch.Tensor | None, generated: list[int]
+    ) -> bool:
+        """Advance each structured request's matcher over its output, this step's tokens included.
+
+        requests: the runner's request states (output_token_ids: the output before this step);
+        sampled: [B, K+1] this step's tokens, the first generated[i] of row i valid. Returns whether
+        any row of this round has a matcher ready (only then does the loop offer it draft tokens).
+        One host copy of `sampled` per round, only in rounds with a structured request."""
+        self._round = []
+        host: list[list[int]] | None = None
+        for i, req_id in enumerate(req_ids):
+            state = requests.get(req_id)
+            params = getattr(state, "sampling_params", None)
+            constraint = getattr(params, "structured_outputs", None)
+            if constraint is None or constraint.all_constraints_none():
+                continue
+            matcher = self._matchers.get(req_id)
+            if matcher is None:
+                matcher = self._matchers[req_id] = self._compile(req_id, params)
+            grammar = matcher.grammar
+            if grammar is None or sampled is None:
+                continue
+            if host is None:
+                host = sampled.tolist()
+            output = state.output_token_ids
+            new = list(output[matcher.fed :]) + host[i][: generated[i]]
+            if new and not grammar.accept_tokens(req_id, new):
+                matcher.broken = True
+                logger.warning(
+                    "vllm-adaptive-spec: request %s's grammar refused its own output; no grammar stops", req_id
+                )
+                continue
+            matcher.fed = len(output) + generated[i]
+            self._round.append((i, req_id, matcher, grammar))
+        return bool(self._round)
+
+    def refuse(self, tokens: list[int], active: list[bool], keeps: list[bool], stops: list[bool]) -> None:
+        """One draft step: offer each row still drafting its kept token; a refused one ends the row's
+        round (stops[i] = True, in place). tokens: the step's draft tokens [B] on the host."""
+        for i, req_id, matcher, grammar in self._round:
+            if not active[i] or not keeps[i] or stops[i]:
+                continue  # the row's round ends anyway: nothing to check
+            if grammar.validate_tokens([tokens[i]]):
+                grammar.accept_tokens(req_id, [tokens[i]])
+                matcher.drafted += 1
+            else:
+                stops[i] = True
+                self.stops += 1
+
+    def end_round(self) -> None:
+        """Roll the draft tokens back: the matchers hold the requests' output only."""
+        for _, _, matcher, grammar in self._round:
+            if matcher.drafted:
+                grammar.rollback(matcher.drafted)
+                matcher.drafted = 0
+        self._round = []
+
+    def forget(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def num_tracked(self) -> int:
+        return len(self._matchers)
+
+    def _compile(self, req_id: str, params: Any) -> _Matcher:
+        from vllm.v1.structured_output.request import StructuredOutputRequest
+
+        request = _Request(req_id, params, StructuredOutputRequest.from_sampling_params(params))
+        self._compiler.submit(self._init_grammar, request)
+        return _Matcher(request)
+
+    def _init_grammar(self, request: _Request) -> None:
+        """On the background thread: vLLM's manager (its backend's tokenizer tables are built on first
+        use, seconds for a large vocabulary) starts the grammar's compilation."""
+        try:
+            if self._manager is None:
+                from vllm.v1.structured_output import StructuredOutputManager
+
+                self._manager = StructuredOutputManager(self.vllm_config)
+            self._manager.grammar_init(request)
+        except Exception as exc:  # the request runs without grammar stops
+            logger.warning("vllm-adaptive-spec: no grammar stops for request %s: %s", request.request_id, exc)
+            request.structured_output_request.grammar = exc
