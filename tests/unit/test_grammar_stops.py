@@ -110,3 +110,20 @@ def test_no_structured_request_no_round(compile_regex, monkeypatch, ids):
     assert not stops.start_round(["p"], {"p": _state([1], structured=False)}, torch.tensor([[1]]), [1])
     assert not stops.start_round(["gone"], {}, torch.tensor([[1]]), [1])
     assert stops.num_tracked() == 0
+
+
+def test_a_backend_error_turns_the_requests_stops_off_instead_of_failing_the_step(compile_regex, monkeypatch, ids):
+    a, b, c = ids["a"], ids["b"], ids["c"]
+    stops = _stops(compile_regex, monkeypatch)
+    assert stops.start_round(["r"], {"r": _state([a])}, torch.tensor([[b]]), [1])
+    ((_, _, matcher, grammar),) = stops._round
+
+    def fail(*args):
+        raise RuntimeError("backend failure")
+
+    monkeypatch.setattr(grammar, "validate_tokens", fail)
+    stop = [False]
+    stops.refuse([c], [True], [True], stop)
+    assert stop == [False] and matcher.broken and stops.stops == 0
+    stops.end_round()
+    assert not stops.start_round(["r"], {"r": _state([a, b])}, torch.tensor([[c]]), [1])

@@ -88,11 +88,10 @@ class GrammarStops:
                 host = sampled.tolist()
             output = state.output_token_ids
             new = list(output[matcher.fed :]) + host[i][: generated[i]]
-            if new and not grammar.accept_tokens(req_id, new):
+            if new and not _guarded(matcher, req_id, grammar.accept_tokens, req_id, new):
+                if not matcher.broken:  # (a backend error was logged already)
+                    logger.warning("vllm-adaptive-spec: request %s's grammar refused its own output", req_id)
                 matcher.broken = True
-                logger.warning(
-                    "vllm-adaptive-spec: request %s's grammar refused its own output; no grammar stops", req_id
-                )
                 continue
             matcher.fed = len(output) + generated[i]
             self._round.append((i, req_id, matcher, grammar))
@@ -102,21 +101,21 @@ class GrammarStops:
         """One draft step: offer each row still drafting its kept token; a refused one ends the row's
         round (stops[i] = True, in place). tokens: the step's draft tokens [B] on the host."""
         for i, req_id, matcher, grammar in self._round:
-            if not active[i] or not keeps[i] or stops[i]:
-                continue  # the row's round ends anyway: nothing to check
-            if grammar.validate_tokens([tokens[i]]):
-                grammar.accept_tokens(req_id, [tokens[i]])
-                matcher.drafted += 1
-            else:
+            if not active[i] or not keeps[i] or stops[i] or matcher.broken:
+                continue  # the row's round ends anyway, or its grammar failed: nothing to check
+            if _guarded(matcher, req_id, grammar.validate_tokens, [tokens[i]]):
+                if _guarded(matcher, req_id, grammar.accept_tokens, req_id, [tokens[i]]):
+                    matcher.drafted += 1
+            elif not matcher.broken:
                 stops[i] = True
                 self.stops += 1
 
     def end_round(self) -> None:
         """Roll the draft tokens back: the matchers hold the requests' output only."""
-        for _, _, matcher, grammar in self._round:
-            if matcher.drafted:
-                grammar.rollback(matcher.drafted)
-                matcher.drafted = 0
+        for _, req_id, matcher, grammar in self._round:
+            if matcher.drafted and not matcher.broken:
+                _guarded(matcher, req_id, grammar.rollback, matcher.drafted)
+            matcher.drafted = 0
         self._round = []
 
     def forget(self, req_id: str) -> None:
@@ -144,3 +143,13 @@ class GrammarStops:
         except Exception as exc:  # the request runs without grammar stops
             logger.warning("vllm-adaptive-spec: no grammar stops for request %s: %s", request.request_id, exc)
             request.structured_output_request.grammar = exc
+
+
+def _guarded(matcher: _Matcher, req_id: str, op: Any, *args: Any) -> Any:
+    """A grammar backend call; an error turns the request's grammar stops off instead of failing the step."""
+    try:
+        return op(*args)
+    except Exception as exc:
+        matcher.broken = True
+        logger.warning("vllm-adaptive-spec: no more grammar stops for request %s: %r", req_id, exc)
+        return None
