@@ -2,14 +2,15 @@
 
     .venv/bin/python -m benchmarks.grammar_stop --repeats 3 --out benchmarks/results/grammar_stop
 
-Engines, all alive at once (one process each, vLLM's default): no speculation, and for the draft
-model and the EAGLE-3 head the policy (`--policy`, default svip) with `grammar_stop` true and false.
-They take turns, order rotated each repeat, serving 16 held-out code prompts x 64 tokens one at a time
-(batch 1, greedy) under each structured output of the lossless tests (tests/conftest.py: a regex and a
-JSON schema). Per engine and kind: the median wall time of the 16 requests and the per-repeat paired
-speed ratio of "on" to "off", and from the plugin's own records the target passes, accepted drafts
-and draft forwards (the first pass of each round included; steps after it separately), and whether
-every output equals no speculation's. Prints a table and writes DIR/grammar_stop.json.
+Engines, all alive at once (one process each, vLLM's default): no speculation, and for the draft model and
+the EAGLE-3 head the policy (`--policy`, default svip) with `grammar_stop` true and false. They take turns,
+order rotated each repeat, serving 16 held-out code prompts x 64 tokens one at a time (batch 1, greedy;
+`--batch B`: all 16 at once, at most B running) under each structured output of the lossless tests
+(benchmarks/vllm_run.py: a regex and a JSON schema). Per engine and kind: the median wall time of the 16
+requests and the per-repeat paired speed ratio of "on" to "off", and from the plugin's own records the
+target passes, accepted drafts and draft forwards (the first pass of each round included; steps after it
+separately), and whether every output equals no speculation's. Prints a table and writes
+DIR/grammar_stop.json.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ def _params(kind: str):
     return SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=so)
 
 
-def _engines(policy: str, cap: int) -> dict:
+def _engines(policy: str, cap: int, batch: int) -> dict:
     from benchmarks import vllm_run
 
     def make_llm(**kwargs):  # float32, as the lossless tests: outputs must equal no speculation's exactly
-        return vllm_run.make_llm(dtype="float32", max_num_seqs=1, **kwargs)
+        return vllm_run.make_llm(dtype="float32", max_num_seqs=batch, **kwargs)
 
     engines = {"no speculation": make_llm()}
     for method in DRAFTERS:
@@ -73,11 +74,11 @@ def _counts(llm) -> dict:
     }
 
 
-def run(repeats: int, policy: str, cap: int) -> dict:
+def run(repeats: int, policy: str, cap: int, batch: int = 1) -> dict:
     from benchmarks.paths import load_prompts
 
     prompts = load_prompts("code_heldout", 16)
-    engines = _engines(policy, cap)
+    engines = _engines(policy, cap, batch)
     names = list(engines)
     for llm in engines.values():  # warm-up: compiles every grammar once
         for kind in KINDS:
@@ -92,14 +93,18 @@ def run(repeats: int, policy: str, cap: int) -> dict:
                 llm = engines[name]
                 before = _counts(llm) if name != "no speculation" else None
                 start = time.perf_counter()
-                outs = [llm.generate([p], _params(kind), use_tqdm=False)[0] for p in prompts]
+                if batch == 1:
+                    outs = [llm.generate([p], _params(kind), use_tqdm=False)[0] for p in prompts]
+                else:
+                    outs = llm.generate(prompts, _params(kind), use_tqdm=False)
                 seconds[name, kind].append(time.perf_counter() - start)
                 tokens.setdefault((name, kind), [list(o.outputs[0].token_ids) for o in outs])
                 if before is not None and r == 0:
                     after = _counts(llm)
                     counts[name, kind] = {k: after[k] - before[k] for k in after}
         print(f"repeat {r + 1}/{repeats} done", flush=True)
-    result = {"repeats": repeats, "policy": policy, "cap": cap, "prompts": len(prompts), "max_tokens": 64, "rows": []}
+    result = {"repeats": repeats, "policy": policy, "cap": cap, "batch": batch, "prompts": len(prompts)}
+    result |= {"max_tokens": 64, "rows": []}
     for kind in KINDS:
         base = seconds["no speculation", kind]
         for name in names:
@@ -123,9 +128,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policy", default="svip")
     ap.add_argument("--cap", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="requests running at once (1: one at a time)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    result = run(args.repeats, args.policy, args.cap)
+    result = run(args.repeats, args.policy, args.cap, args.batch)
     for row in result["rows"]:
         extra = (
             ""
