@@ -140,3 +140,21 @@ def test_row_graphs_bucket_pad_and_fall_back():
     x = torch.randn(3, 4)
     assert torch.allclose(rows(x), head(x)) and rows.eager
     assert torch.allclose(rows(x[:2]), head(x[:2]))
+
+
+def test_decisions_to_host_carries_the_steps_tokens_in_the_same_copy():
+    from vllm_adaptive_spec.policies.step import decisions_to_host
+
+    keep, stop = torch.tensor([True, False, True]), torch.tensor([False, True, True])
+    tokens = torch.tensor([151_935, 0, 7])  # a large vocabulary's last id stays exact
+    top = torch.tensor([-0.1, -2.5, -0.7], dtype=torch.float32)
+    assert decisions_to_host(keep, stop, None) == ([True, False, True], [False, True, True], None, None)
+    assert decisions_to_host(keep, stop, top)[2] == top.tolist()
+    assert decisions_to_host(keep, stop, None, tokens) == (
+        [True, False, True],
+        [False, True, True],
+        None,
+        tokens.tolist(),
+    )
+    keeps, stops, tops, toks = decisions_to_host(keep, stop, top, tokens)
+    assert (keeps, stops, tops, toks) == ([True, False, True], [False, True, True], top.tolist(), tokens.tolist())

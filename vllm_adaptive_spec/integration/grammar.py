@@ -33,7 +33,6 @@ class _Request:
     request_id: str
     sampling_params: Any
     structured_output_request: Any
-    use_structured_output: bool = True
 
 
 @dataclass

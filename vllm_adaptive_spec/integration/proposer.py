@@ -329,9 +329,11 @@ class AdaptiveDraftLoop:
                 positions, launch, ready = self._draft_step_inputs(
                     t + 1, tokens, carried, positions, cad, launch, num_rejected_tokens_gpu
                 )
-            keeps, stops, tops = decisions_to_host(decision.keep, decision.stop, top)
+            keeps, stops, tops, toks = decisions_to_host(
+                decision.keep, decision.stop, top, None if grammar is None else tokens
+            )
             if grammar is not None:  # a row stops after its first draft token the grammar refuses
-                grammar.refuse(tokens.tolist(), active, keeps, stops)
+                grammar.refuse(toks, active, keeps, stops)
             if t == 0 and steady:
                 steps_start = time.perf_counter()  # the first pass is done; the draft steps start
             kept = _account(t, keeps, stops, limits, active, lengths, drawn)

@@ -24,12 +24,18 @@ def policy_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> t
 
 
 def decisions_to_host(
-    keep: torch.Tensor, stop: torch.Tensor, top: torch.Tensor | None
-) -> tuple[list[bool], list[bool], list[float] | None]:
-    """One host copy of a step's decisions: keep, stop [B] bool and the gate's top [B] (or None).
+    keep: torch.Tensor, stop: torch.Tensor, top: torch.Tensor | None, tokens: torch.Tensor | None = None
+) -> tuple[list[bool], list[bool], list[float] | None, list[int] | None]:
+    """One host copy of a step's decisions: keep, stop [B] bool, the gate's top [B] (or None) and, when
+    the loop needs them (the grammar stop), the step's draft tokens [B] (or None) -> the same as lists.
     On a GPU this is the step's one synchronisation (ending the loop early needs it)."""
+    if tokens is not None:  # float64 holds token ids and a float32 top exactly
+        rows = [keep, stop, tokens] + ([] if top is None else [top])
+        host = torch.stack([r.to(torch.float64) for r in rows]).tolist()
+        keeps, stops, toks = [k > 0.5 for k in host[0]], [s > 0.5 for s in host[1]], [int(x) for x in host[2]]
+        return keeps, stops, (host[3] if top is not None else None), toks
     if top is None:
         keeps, stops = torch.stack([keep, stop]).tolist()
-        return keeps, stops, None
+        return keeps, stops, None, None
     keeps, stops, tops = torch.stack([keep.to(top.dtype), stop.to(top.dtype), top]).tolist()
-    return [k > 0.5 for k in keeps], [s > 0.5 for s in stops], tops
+    return [k > 0.5 for k in keeps], [s > 0.5 for s in stops], tops, None
