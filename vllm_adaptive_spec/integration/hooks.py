@@ -96,23 +96,27 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
     for field, why in _UNSERVED_SPEC_FIELDS.items():
         if getattr(spec, field, False):
             raise ConfigError(f"adaptive_spec needs speculative_config.{field}=False (got True): {why}")
-    if method in PARALLEL_METHODS and cfg.batch_aware:
-        if vllm_config.additional_config[CONFIG_KEY].get("batch_aware") is True:
-            raise ConfigError(
-                f"adaptive_spec.batch_aware: true does not combine with speculative_config.method={method!r} "
-                "(the block is drafted in one forward, so there is no next draft step to weigh)"
-            )
-        cfg = dataclasses.replace(cfg, batch_aware=False)  # the default for adaptive policies, off here
-    if cfg.grammar_stop:
+    if method in PARALLEL_METHODS:
+        cfg = _off_here(
+            vllm_config,
+            cfg,
+            "batch_aware",
+            f"adaptive_spec.batch_aware: true does not combine with speculative_config.method={method!r} "
+            "(the block is drafted in one forward, so there is no next draft step to weigh)",
+        )
+    if method in PARALLEL_METHODS:
+        why = f"speculative_config.method={method!r} drafts its block in one forward: no draft step to save"
+    elif parser := getattr(getattr(vllm_config, "structured_outputs_config", None), "reasoning_parser", None):
+        why = f"with a reasoning parser ({parser!r}) the grammar starts where reasoning ends"
+    else:
         why = None
-        if method in PARALLEL_METHODS:
-            why = f"speculative_config.method={method!r} drafts its block in one forward: no draft step to save"
-        elif parser := getattr(getattr(vllm_config, "structured_outputs_config", None), "reasoning_parser", None):
-            why = f"with a reasoning parser ({parser!r}) the grammar starts where reasoning ends"
-        if why is not None:
-            if vllm_config.additional_config[CONFIG_KEY].get("grammar_stop") is True:
-                raise ConfigError(f"adaptive_spec.grammar_stop: true does not combine with this engine: {why}")
-            cfg = dataclasses.replace(cfg, grammar_stop=False)  # the default for adaptive policies, off here
+    if why is not None:
+        cfg = _off_here(
+            vllm_config,
+            cfg,
+            "grammar_stop",
+            f"adaptive_spec.grammar_stop: true does not combine with this engine: {why}",
+        )
     if cfg.policy == "pearl":
         if method != "draft_model":
             raise ConfigError(
@@ -134,6 +138,16 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
     # Trained heads must fit the running draft (SpecDec++: fingerprint in the head file).
     POLICY_CLASSES[cfg.policy].check_engine(cfg.params, spec.model)
     return cfg
+
+
+def _off_here(vllm_config: Any, cfg: AdaptiveSpecConfig, field: str, refusal: str) -> AdaptiveSpecConfig:
+    """A field that is on by default for adaptive policies and cannot work on this engine: off, or a
+    start-up error when the user asked for it."""
+    if not getattr(cfg, field):
+        return cfg
+    if vllm_config.additional_config[CONFIG_KEY].get(field) is True:
+        raise ConfigError(refusal)
+    return dataclasses.replace(cfg, **{field: False})
 
 
 def _validate_at_engine_creation(original: Callable) -> Callable:
