@@ -54,7 +54,29 @@ def make_llm(k: int | None = None, adaptive: dict | None = None, method: str = "
 
 
 def close_llm(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    """Shut the engine down.
+
+    An engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as the tests run them) shares
+    vLLM's distributed groups with every other engine of the process: its shutdown
+    (`EngineCore.shutdown` -> `cleanup_dist_env_and_memory`) would destroy them under the engines
+    still running (their next step fails: "pipeline model parallel group is not initialized"). Those
+    groups stay for the process's other and later engines; the rest of the engine is released."""
+    import gc
+
+    import vllm.envs
+    from vllm.v1.engine import core
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = llm.llm_engine.engine_core
+    if not isinstance(client, InprocClient):
+        client.shutdown()
+        return
+    teardown = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: (vllm.envs.disable_envs_cache(), gc.collect())
+    try:
+        client.shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = teardown
 
 
 @dataclass

@@ -1,14 +1,24 @@
-"""Shared fixtures. vLLM engines take ~30 s to start, so the end-to-end tests
-share three session-scoped engines on the bundled toy pair."""
+"""Shared fixtures. The end-to-end tests share session-scoped engines on the bundled toy pair.
+
+Engines run in the test process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: engine core and worker in this
+process, as vLLM's `InprocClient` runs them): one starts and stops in about 4 s on this 2-core CPU
+against about 27 s with an engine-core process. The plugin's paths across processes stay covered:
+`vllm serve`, the Ray and tensor-parallel tests run their engines and workers in other processes, and
+`test_plugin_in_vllm.test_lossless_with_engine_core_processes` runs vLLM's default (the
+`engine_processes` fixture).
+`VLLM_ENABLE_V1_MULTIPROCESSING=1 bash scripts/test.sh` runs every test that way (slower)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
 # Must be set before vLLM is imported anywhere in the session.
 # (benchmarks.vllm_run sets the KV cache size and offline mode.)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+# vLLM reads this once the first engine is up (vllm.envs caches every variable then): decide it here.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 TRACE_FILE = os.environ.setdefault(
     "VLLM_ADAPTIVE_SPEC_TRACE_FILE", tempfile.NamedTemporaryFile(prefix="vas-trace-", delete=False).name
 )
@@ -40,6 +50,28 @@ def make_llm(**kwargs):
 
 def spec_config(k: int = K) -> dict:
     return vllm_run.spec_config(k)
+
+
+@contextlib.contextmanager
+def multiprocess_engines():
+    """Engines started inside run as users run vLLM by default: the engine core (and its worker) in a
+    process of its own. vLLM caches its environment variables once an engine is up;
+    `disable_envs_cache` (vLLM's helper for isolating tests) makes it read them again, before and
+    after."""
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        vllm.envs.disable_envs_cache()
+        yield
+    vllm.envs.disable_envs_cache()
+
+
+@pytest.fixture(scope="module")
+def engine_processes():
+    """`multiprocess_engines` for a module's engines."""
+    with multiprocess_engines():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -85,11 +117,18 @@ def released_stats(llm, timeout_s: float = 30.0) -> list[dict]:
 
     vLLM hands finished request ids to the workers in the engine step after the one that
     finished them; a stats call sent right after `generate` returns can reach the worker
-    before that step, more often on a busy machine."""
+    before that step, more often on a busy machine. An engine in this process steps only when
+    asked: one step with nothing to run hands them over (what an engine-core process does on
+    its own)."""
     import time
+
+    from vllm.v1.engine.core_client import InprocClient
 
     from vllm_adaptive_spec.integration.runtime import get_stats
 
+    engine = llm.llm_engine
+    if isinstance(engine.engine_core, InprocClient) and not engine.has_unfinished_requests():
+        engine.step()
     deadline = time.monotonic() + timeout_s
     while True:
         stats = get_stats(llm)

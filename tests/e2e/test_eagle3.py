@@ -119,7 +119,7 @@ def _stash_contexts(worker) -> int:
     """In the worker: keep each request's context window and the position after it when the policy forgets it."""
     from vllm_adaptive_spec.integration import runtime
 
-    for proposer in runtime._proposers:
+    for proposer in runtime.proposers(worker.model_runner):
         policy = proposer.policy
         policy.stash = []
         forget = policy.forget
@@ -130,14 +130,18 @@ def _stash_contexts(worker) -> int:
             forget(req_id)
 
         policy.forget = keep_then_forget
-    return len(runtime._proposers)
+    return len(runtime.proposers(worker.model_runner))
 
 
 def _stashed(worker) -> list:
     from vllm_adaptive_spec.integration import runtime
 
     # plain lists: collective_rpc does not hand tensors back as tensors
-    return [(ctx.float().tolist(), end) for p in runtime._proposers for ctx, end in getattr(p.policy, "stash", [])]
+    return [
+        (ctx.float().tolist(), end)
+        for p in runtime.proposers(worker.model_runner)
+        for ctx, end in getattr(p.policy, "stash", [])
+    ]
 
 
 def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm):
@@ -148,6 +152,7 @@ def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm
     from vllm_adaptive_spec.training.eagle3 import target_features
     from vllm_adaptive_spec.training.pacer_eagle3 import first_pass_rows
 
+    released_stats(eagle3_pacer_llm)  # earlier tests' requests released first: only this test's are stashed
     assert eagle3_pacer_llm.collective_rpc(_stash_contexts) == [1]
     prompts = load_prompts("code_heldout", N_LOSSLESS + 25)[N_LOSSLESS + 20 :]  # unseen by this engine
     outs = eagle3_pacer_llm.generate(prompts, greedy_params(40), use_tqdm=False)

@@ -24,7 +24,7 @@ def _stash_contexts(worker) -> int:
     from vllm_adaptive_spec.integration import runtime
 
     n = 0
-    for proposer in runtime._proposers:
+    for proposer in runtime.proposers(worker.model_runner):
         policy = proposer.policy
         policy.stash = {}
         forget = policy.forget
@@ -42,7 +42,7 @@ def _stash_contexts(worker) -> int:
 def _stashed(worker) -> list:
     from vllm_adaptive_spec.integration import runtime
 
-    return [list(getattr(p.policy, "stash", {}).values()) for p in runtime._proposers]
+    return [list(getattr(p.policy, "stash", {}).values()) for p in runtime.proposers(worker.model_runner)]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,7 @@ def _check_windows(pacer_llm, prompts: list[str]) -> None:
 
     from vllm_adaptive_spec.training import data
 
+    released_stats(pacer_llm)  # earlier tests' requests released first: only this test's are stashed
     assert pacer_llm.collective_rpc(_stash_contexts) == [1]
     outs = pacer_llm.generate(prompts, __import__("vllm").SamplingParams(temperature=0.0, max_tokens=40))
     stashes = [ctx for worker in pacer_llm.collective_rpc(_stashed) for per in worker for ctx in per]

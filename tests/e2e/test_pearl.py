@@ -13,7 +13,9 @@ PEARL = {"adaptive_spec": {"policy": "pearl"}}
 
 
 @pytest.fixture(scope="module")
-def pearl_llm():
+def pearl_llm(engine_processes):
+    """In an engine-core process of its own, as users run it: vLLM binds that process to its CPUs and
+    the draft takes the others (an engine in the test process leaves the process on all of them)."""
     llm = make_llm(speculative_config=spec_config(3), additional_config=PEARL, max_num_seqs=1)
     yield llm
     close_llm(llm)

@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from benchmarks import vllm_run
-from tests.conftest import TRACE_FILE, make_llm, spec_config
+from tests.conftest import TRACE_FILE, close_llm, make_llm, spec_config
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ def _worker_view(worker):
     return {
         "pid": os.getpid(),
         "registered": plugin.is_registered(),
-        "active": runtime.active_policies(),
+        "active": runtime.active_policies(worker.model_runner),
         "drafter": None if drafter is None else f"{type(drafter).__module__}.{type(drafter).__qualname__}",
     }
 
@@ -38,8 +38,8 @@ def test_register_runs_in_every_vllm_process(spec_llm):
     assert os.getpid() in pids, "front-end process"
     assert all(v["registered"] for v in views)
     assert {v["pid"] for v in views} <= pids, "every worker"
-    # front end, engine core and at least one worker per engine started so far
-    assert len(pids) >= 3
+    # (the session's engines run in this process: test_lossless_with_engine_core_processes checks a worker
+    # in an engine-core process of its own)
 
 
 def test_without_adaptive_spec_nothing_changes(spec_llm):
@@ -125,3 +125,27 @@ def test_get_stats_reports_each_engine_of_a_process_only():
     lines = [line for line in run.stdout.splitlines() if line.startswith("ENGINE")]
     assert run.returncode == 0 and len(lines) == 2, run.stderr[-3000:]
     assert lines == ["ENGINE [('fixed', 32)]", "ENGINE [('svip', 0)]"]
+
+
+@pytest.mark.parametrize("method, policy", [("draft_model", "svip"), ("eagle3", "confidence")])
+def test_lossless_with_engine_core_processes(engine_processes, method, policy, prompts, reference_tokens):
+    """The test session runs its engines in-process (tests/conftest); users run vLLM's default, an
+    engine-core process holding the worker. There the plugin registers in that process, its config
+    reaches the worker, greedy output equals no speculation's and the statistics come back over
+    collective_rpc, requests released."""
+    from tests.conftest import first_mismatch, greedy, released_stats
+
+    adaptive = {"adaptive_spec": {"policy": policy}}
+    llm = make_llm(speculative_config=vllm_run.spec_config(6, method), additional_config=adaptive)
+    try:
+        got = greedy(llm, prompts)
+        (snap,) = released_stats(llm)
+        views = llm.collective_rpc(_worker_view)
+    finally:
+        close_llm(llm)
+    assert got == reference_tokens, first_mismatch(got, reference_tokens)
+    assert snap["workload"]["n_draft"] > 0 and snap["requests"] == {} and snap["tracked"] == 0
+    worker_pids = {v["pid"] for v in views}
+    assert os.getpid() not in worker_pids, "the worker runs in the engine's own process"
+    traced = {int(line.split()[0]) for line in open(TRACE_FILE) if line.strip()}
+    assert worker_pids <= traced and all(v["registered"] and v["active"] == [policy] for v in views)

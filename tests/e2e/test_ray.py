@@ -99,7 +99,7 @@ def _needs_cpu_shim() -> bool:
 
 
 @pytest.fixture(scope="module")
-def ray_llm(tmp_path_factory):
+def ray_llm(tmp_path_factory, engine_processes):
     with pytest.MonkeyPatch.context() as mp:
         resources = {}
         if _needs_cpu_shim():
@@ -143,7 +143,7 @@ def _worker_view(worker):
         "in_ray_actor": ray_in_worker.is_initialized()
         and ray_in_worker.get_runtime_context().get_actor_id() is not None,
         "registered": plugin.is_registered(),
-        "active": runtime.active_policies(),
+        "active": runtime.active_policies(worker.model_runner),
         "drafter": type(worker.model_runner.drafter).__name__,
         "insecure_serialization": os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"),
     }

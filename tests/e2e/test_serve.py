@@ -57,8 +57,9 @@ def server():
         "--additional-config", json.dumps({"adaptive_spec": {"policy": "svip"}}),
         "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
-    # dev mode: POST /collective_rpc reads the plugin's statistics from the worker
-    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1"}
+    # dev mode: POST /collective_rpc reads the plugin's statistics from the worker; the engine core in
+    # its own process, as users run the server (the test session runs its own engines in-process)
+    env = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_S

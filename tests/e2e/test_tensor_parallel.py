@@ -32,7 +32,7 @@ ADAPTIVE = {"policy": "svip", "threshold": 0.8}
 
 
 @pytest.fixture(scope="module")
-def tp_env():
+def tp_env(engine_processes):
     from vllm.platforms import current_platform
 
     with pytest.MonkeyPatch.context() as mp:
@@ -85,7 +85,7 @@ def _rank_view(worker):
     return {
         "pid": os.getpid(),
         "tp_rank": get_tp_group().rank_in_group,
-        "active": runtime.active_policies(),
+        "active": runtime.active_policies(worker.model_runner),
         "broadcasts": getattr(drafter, "_tp_group", None) is not None,
     }
 

@@ -16,14 +16,14 @@ from vllm_adaptive_spec.config import AdaptiveSpecConfig
 logger = logging.getLogger(__name__)
 
 _proposers: weakref.WeakSet = weakref.WeakSet()
-_policies: list[str] = []
+_policies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its policy's name
 
 
 def activate(runner: Any, cfg: AdaptiveSpecConfig) -> None:
     from vllm_adaptive_spec.integration.fixes import apply_cpu_sampling_fix
     from vllm_adaptive_spec.integration.proposer import DRAFTERS
 
-    _policies.append(cfg.policy)
+    _policies[runner] = cfg.policy
     apply_cpu_sampling_fix()
     if getattr(runner, "drafter", None) is None:
         return  # not the rank that drafts (pipeline parallelism)
@@ -43,16 +43,21 @@ def activate(runner: Any, cfg: AdaptiveSpecConfig) -> None:
     )
 
 
-def active_policies() -> list[str]:
-    """Policies switched on in this process's model runners (empty: plugin off)."""
-    return list(_policies)
+def active_policies(runner: Any = None) -> list[str]:
+    """Policies switched on in one model runner (None: in every runner of this process; empty: plugin off)."""
+    return [policy for r, policy in list(_policies.items()) if runner is None or r is runner]
+
+
+def proposers(runner: Any = None) -> list:
+    """The adaptive proposers of one model runner (None: every one in this process).
+
+    Engines running in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) share this module, so a worker
+    asks for its own runner's: otherwise it would see the other engines' too."""
+    return [p for p in list(_proposers) if runner is None or p.runner is runner]
 
 
 def worker_stats(runner: Any = None) -> list[dict]:
-    """Snapshots of the adaptive proposers of one model runner (None: every one in this process).
-
-    Engines running in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) share this module, so a worker
-    asks for its own runner's: otherwise each engine would report the others' statistics too."""
+    """Snapshots of the adaptive proposers of one model runner (None: every one in this process)."""
     return [
         p.stats.snapshot()
         | {"policy": p.policy.name, "tracked": p.policy.num_tracked(), "prepare_ahead": p.prepare_ahead}
@@ -64,8 +69,7 @@ def worker_stats(runner: Any = None) -> list[dict]:
         )
         | ({"gate_costs": _gate_costs(p.gate)} if p.gate is not None and p.gate.meter is not None else {})
         | ({"parallel": p.parallel_stats()} if hasattr(p, "parallel_stats") else {})
-        for p in list(_proposers)
-        if runner is None or p.runner is runner
+        for p in proposers(runner)
     ]
 
 
