@@ -1,15 +1,16 @@
-"""The grammar stop under structured outputs: the same policy with `grammar_stop` on and off, side by side.
+"""The grammar stop and mask under structured outputs: the same policy with each grammar setting, side by side.
 
     .venv/bin/python -m benchmarks.grammar_stop --repeats 3 --out benchmarks/results/grammar_stop
 
 Engines, all alive at once (one process each, vLLM's default): no speculation, and for the draft model and
-the EAGLE-3 head the policy (`--policy`, default svip) with `grammar_stop` true and false. They take turns,
-order rotated each repeat, serving 16 held-out code prompts x 64 tokens one at a time (batch 1, greedy;
-`--batch B`: all 16 at once, at most B running) under each structured output of the lossless tests
-(benchmarks/vllm_run.py: a regex and a JSON schema). Per engine and kind: the median wall time of the 16
-requests and the per-repeat paired speed ratio of "on" to "off", and from the plugin's own records the
-target passes, accepted drafts and draft forwards (the first pass of each round included; steps after it
-separately), and whether every output equals no speculation's. Prints a table and writes
+the EAGLE-3 head the policy (`--policy`, default svip) with each of SETTINGS: the grammar off, the grammar
+stop alone (`grammar_mask` false) and the stop with the mask (the default). They take turns, order rotated
+each repeat, serving 16 held-out code prompts x 64 tokens one at a time (batch 1, greedy; `--batch B`: all
+16 at once, at most B running) under each structured output of the lossless tests (benchmarks/vllm_run.py:
+a regex and a JSON schema). Per engine and kind: the median wall time of the 16 requests and the
+per-repeat paired speed ratio to the same drafter with the grammar off, and from the plugin's own records
+the target passes, accepted drafts and draft forwards (the first pass of each round included; steps after
+it separately), and whether every output equals no speculation's. Prints a table and writes
 DIR/grammar_stop.json.
 """
 
@@ -26,6 +27,11 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: co
 
 KINDS = ("json", "regex")
 DRAFTERS = ("draft_model", "eagle3")
+SETTINGS = {
+    "off": {"grammar_stop": False},
+    "stop": {"grammar_stop": True, "grammar_mask": False},
+    "stop+mask": {"grammar_stop": True, "grammar_mask": True},
+}
 
 
 def _params(kind: str):
@@ -50,12 +56,16 @@ def _engines(policy: str, cap: int, batch: int) -> dict:
 
     engines = {"no speculation": make_llm()}
     for method in DRAFTERS:
-        for on in (True, False):
-            engines[f"{method} {policy} grammar_stop={'on' if on else 'off'}"] = make_llm(
+        for setting, fields in SETTINGS.items():
+            engines[_name(method, policy, setting)] = make_llm(
                 speculative_config=vllm_run.spec_config(cap, method),
-                additional_config={"adaptive_spec": {"policy": policy, "grammar_stop": on}},
+                additional_config={"adaptive_spec": {"policy": policy} | fields},
             )
     return engines
+
+
+def _name(method: str, policy: str, setting: str) -> str:
+    return f"{method} {policy} grammar {setting}"
 
 
 def _counts(llm) -> dict:
@@ -71,6 +81,7 @@ def _counts(llm) -> dict:
         "forwards": forwards,
         "steps_after_first_pass": forwards - rounds,
         "grammar_stops": snap.get("grammar_stops", 0),
+        "grammar_masked": snap.get("grammar_masked", 0),
     }
 
 
@@ -115,10 +126,10 @@ def run(repeats: int, policy: str, cap: int, batch: int = 1) -> dict:
                 "speed_vs_no_spec": statistics.median(b / s for b, s in zip(base, seconds[name, kind])),
                 "same_tokens_as_no_spec": tokens[name, kind] == tokens["no speculation", kind],
             } | counts.get((name, kind), {})
-            if name.endswith("grammar_stop=on"):
-                off = seconds[name.replace("=on", "=off"), kind]
-                row["speed_on_vs_off"] = statistics.median(o / s for o, s in zip(off, seconds[name, kind]))
-                row["speed_on_vs_off_per_repeat"] = [round(o / s, 3) for o, s in zip(off, seconds[name, kind])]
+            if name != "no speculation" and not name.endswith(" off"):
+                off = seconds[name.rsplit(" ", 1)[0] + " off", kind]
+                row["speed_vs_off"] = statistics.median(o / s for o, s in zip(off, seconds[name, kind]))
+                row["speed_vs_off_per_repeat"] = [round(o / s, 3) for o, s in zip(off, seconds[name, kind])]
             result["rows"].append(row)
     return result
 
@@ -139,15 +150,12 @@ def main() -> None:
             else (
                 f" passes {row['n_target']} accepted {row['n_accepted']} forwards {row['forwards']}"
                 f" (after first pass {row['steps_after_first_pass']}) grammar stops {row['grammar_stops']}"
+                f" masked {row['grammar_masked']}"
             )
         )
-        on_off = (
-            f" on/off {row['speed_on_vs_off']:.3f}x {row['speed_on_vs_off_per_repeat']}"
-            if "speed_on_vs_off" in row
-            else ""
-        )
+        on_off = f" vs off {row['speed_vs_off']:.3f}x {row['speed_vs_off_per_repeat']}" if "speed_vs_off" in row else ""
         print(
-            f"{row['kind']:5} {row['engine']:38} {row['median_s']:.2f} s, {row['speed_vs_no_spec']:.3f}x no spec,"
+            f"{row['kind']:5} {row['engine']:36} {row['median_s']:.2f} s, {row['speed_vs_no_spec']:.3f}x no spec,"
             f" same {row['same_tokens_as_no_spec']}{extra}{on_off}",
             flush=True,
         )

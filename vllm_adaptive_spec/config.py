@@ -20,7 +20,7 @@ from vllm_adaptive_spec.policies.costs import load_costs
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
 # the plugin's own fields; the rest are the policy's
-PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs", "prepare_ahead", "grammar_stop")
+PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs", "prepare_ahead", "grammar_stop", "grammar_mask")
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
@@ -38,6 +38,9 @@ class AdaptiveSpecConfig:
     # under structured outputs a row stops drafting at its first draft token the grammar refuses
     # (integration/grammar.py); default on for adaptive policies
     grammar_stop: bool = False
+    # under structured outputs a row's draft draws only tokens its grammar allows (integration/grammar.py);
+    # needs grammar_stop; default: grammar_stop's value
+    grammar_mask: bool = False
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -76,6 +79,14 @@ class AdaptiveSpecConfig:
                 f"{CONFIG_KEY}.grammar_stop: true does not combine with policy 'pearl' (its draft runs ahead of "
                 "the target, in a worker of its own)"
             )
+        grammar_mask = raw.get("grammar_mask", grammar_stop)
+        if not isinstance(grammar_mask, bool):
+            raise ConfigError(f"{CONFIG_KEY}.grammar_mask: expected true or false, got {grammar_mask!r}")
+        if grammar_mask and not grammar_stop:
+            raise ConfigError(
+                f"{CONFIG_KEY}.grammar_mask: true needs grammar_stop true (the matchers it masks with are the "
+                f"grammar stop's; grammar_stop is false{' for policy pearl' if policy == 'pearl' else ''})"
+            )
         costs = raw.get("costs")
         if costs is not None:
             if not isinstance(costs, str) or not costs:
@@ -112,6 +123,7 @@ class AdaptiveSpecConfig:
             costs=costs,
             prepare_ahead=prepare_ahead,
             grammar_stop=grammar_stop,
+            grammar_mask=grammar_mask,
         )
 
     @property

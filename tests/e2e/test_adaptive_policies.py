@@ -103,6 +103,23 @@ def test_statistics_and_draft_lengths(policy_llm):
         assert "gate_costs" not in snap
 
 
+def test_the_grammar_stop_without_the_mask(prompts, settings_reference):
+    """grammar_mask false: the EAGLE-3 head draws unmasked and a row stops at its first draft token the
+    grammar refuses; outputs stay equal to no speculation's under every request setting."""
+    adaptive = {"policy": "svip", "grammar_mask": False}
+    llm = make_llm(
+        speculative_config=vllm_run.spec_config(CAP, "eagle3"), additional_config={"adaptive_spec": adaptive}
+    )
+    try:
+        got = settings_outputs(llm, prompts[:4])
+        (snap,) = released_stats(llm)
+    finally:
+        close_llm(llm)
+    for name, want in settings_reference.items():
+        assert got[name] == want, f"{name}: " + first_mismatch([t for t, _ in got[name]], [t for t, _ in want])
+    assert snap["grammar_stops"] > 0 and snap["grammar_masked"] == 0 and snap["grammar_tracked"] == 0
+
+
 def test_batch_of_64_is_lossless(ref_llm):
     """64 requests running at once (max_num_seqs=64) with an adaptive policy."""
     prompts = load_prompts("code_heldout", 64)
@@ -162,12 +179,11 @@ def test_request_settings_keep_output_lossless(policy_llm, prompts, settings_ref
     for name, want in settings_reference.items():
         assert got[name] == want, f"{name}: " + first_mismatch([t for t, _ in got[name]], [t for t, _ in want])
     assert all(n == len(t) > 0 for t, n in got["logprobs"])  # one logprob entry per sampled token
-    # the grammar stop (default on for adaptive policies, off for the baselines and the block drafter)
-    # kept the outputs above; its matchers are released with their requests
+    # the grammar stop and mask (default on for adaptive policies, off for the baselines and the block
+    # drafter) kept the outputs above; their matchers are released with their requests
     (snap,) = released_stats(llm)
     grammar_stop = policy not in BASELINES and method != "dflash"
     assert ("grammar_stops" in snap) == grammar_stop
     if grammar_stop:
         assert snap["grammar_tracked"] == 0
-    if (method, policy) == ("eagle3", "svip"):
-        assert snap["grammar_stops"] > 0  # the structured requests ended rounds at refused draft tokens
+        assert snap["grammar_masked"] > 0  # the structured requests drew masked drafts

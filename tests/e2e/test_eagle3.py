@@ -243,12 +243,14 @@ def test_the_batch_gate_is_off_for_a_parallel_drafter_and_refused_when_asked_for
     assert msg.startswith("adaptive_spec.batch_aware: true") and "method='dflash'" in msg, msg
     # the grammar stop too: the block comes from one forward, so there is no draft step to save
     Engine.additional_config = {"adaptive_spec": {"policy": "svip", "batch_aware": False}}
-    assert check_engine_config(Engine()).grammar_stop is False
-    Engine.additional_config = {"adaptive_spec": {"policy": "svip", "batch_aware": False, "grammar_stop": True}}
-    with pytest.raises(ConfigError) as err:
-        check_engine_config(Engine())
-    msg = str(err.value)
-    assert msg.startswith("adaptive_spec.grammar_stop: true") and "method='dflash'" in msg, msg
+    cfg = check_engine_config(Engine())
+    assert cfg.grammar_stop is False and cfg.grammar_mask is False
+    for field in ("grammar_stop", "grammar_mask"):
+        Engine.additional_config = {"adaptive_spec": {"policy": "svip", "batch_aware": False, field: True}}
+        with pytest.raises(ConfigError) as err:
+            check_engine_config(Engine())
+        msg = str(err.value)
+        assert msg.startswith(f"adaptive_spec.{field}: true") and "method='dflash'" in msg, msg
 
 
 def test_every_supported_method_has_a_drafter():

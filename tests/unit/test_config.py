@@ -42,6 +42,9 @@ def test_fixed_policy():
         ({"policy": "pearl", "prepare_ahead": True}, "adaptive_spec.prepare_ahead: true does not combine with"),
         ({"policy": "svip", "grammar_stop": 1}, "adaptive_spec.grammar_stop: expected true or false, got 1"),
         ({"policy": "pearl", "grammar_stop": True}, "adaptive_spec.grammar_stop: true does not combine with"),
+        ({"policy": "svip", "grammar_mask": "yes"}, "adaptive_spec.grammar_mask: expected true or false, got 'yes'"),
+        ({"policy": "svip", "grammar_stop": False, "grammar_mask": True}, "adaptive_spec.grammar_mask: true needs"),
+        ({"policy": "pearl", "grammar_mask": True}, "adaptive_spec.grammar_mask: true needs grammar_stop true"),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],
@@ -70,3 +73,15 @@ def test_grammar_stop_is_on_for_adaptive_policies_and_off_for_the_baselines():
     cfg = AdaptiveSpecConfig.from_dict({"policy": "fixed", "grammar_stop": True})
     assert cfg.grammar_stop is True and cfg.params == {}
     assert AdaptiveSpecConfig.from_dict({"policy": "confidence", "grammar_stop": False}).grammar_stop is False
+
+
+def test_grammar_mask_follows_the_grammar_stop_unless_set():
+    from vllm_adaptive_spec.config import AdaptiveSpecConfig
+
+    assert AdaptiveSpecConfig.from_dict({"policy": "svip"}).grammar_mask is True
+    for baseline in ("fixed", "vllm_av", "pearl"):
+        assert AdaptiveSpecConfig.from_dict({"policy": baseline}).grammar_mask is False
+    assert AdaptiveSpecConfig.from_dict({"policy": "fixed", "grammar_stop": True}).grammar_mask is True
+    assert AdaptiveSpecConfig.from_dict({"policy": "svip", "grammar_stop": False}).grammar_mask is False
+    cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "grammar_mask": False})
+    assert cfg.grammar_stop is True and cfg.grammar_mask is False and cfg.params == {}

@@ -23,11 +23,10 @@ def ids() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def compile_regex():
-    """A real vLLM xgrammar grammar for REGEX (vLLM's backend, built as its manager builds it)."""
+def backend():
+    """vLLM's xgrammar backend over the toy target's tokenizer, built as its manager builds it."""
     from transformers import AutoTokenizer
     from vllm.config import StructuredOutputsConfig
-    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
     tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
@@ -36,11 +35,18 @@ def compile_regex():
         model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3")),
         speculative_config=SimpleNamespace(num_speculative_tokens=4),  # the matcher rolls back up to K tokens
     )
-    backend = XgrammarBackend(config, tokenizer=tokenizer, vocab_size=len(tokenizer))
+    return XgrammarBackend(config, tokenizer=tokenizer, vocab_size=len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def compile_regex(backend):
+    """A real vLLM xgrammar grammar for REGEX."""
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+
     return lambda: backend.compile_grammar(StructuredOutputOptions.REGEX, REGEX)
 
 
-def _stops(compile_regex, monkeypatch) -> GrammarStops:
+def _stops(compile_regex, monkeypatch, backend=None) -> GrammarStops:
     """GrammarStops whose requests compile REGEX at once (no background thread)."""
 
     def compile_now(self, req_id, params):
@@ -51,7 +57,9 @@ def _stops(compile_regex, monkeypatch) -> GrammarStops:
         return _Matcher(request)
 
     monkeypatch.setattr(GrammarStops, "_compile", compile_now)
-    return GrammarStops(vllm_config=None)
+    stops = GrammarStops(vllm_config=None, masks=backend is not None)
+    stops._manager = SimpleNamespace(backend=backend)  # what mask() reads of vLLM's manager
+    return stops
 
 
 def _state(output: list[int], structured: bool = True):
@@ -127,3 +135,82 @@ def test_a_backend_error_turns_the_requests_stops_off_instead_of_failing_the_ste
     assert stop == [False] and matcher.broken and stops.stops == 0
     stops.end_round()
     assert not stops.start_round(["r"], {"r": _state([a, b])}, torch.tensor([[c]]), [1])
+
+
+def _allowed(logits: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(logits > float("-inf")).flatten().tolist())
+
+
+def test_the_mask_leaves_each_row_what_its_grammar_takes_next(compile_regex, monkeypatch, backend, ids):
+    """The masked ids are exactly the tokens whose text continues REGEX from where the matcher is (checked
+    against the tokenizer), rows without a grammar or no longer drafting keep their logits, and a masked
+    row follows its accepted drafts."""
+    from transformers import AutoTokenizer
+
+    a, b, c, d, x = (ids[k] for k in "abcdx")
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
+    vocab = 6144  # the toy target's logits width
+    stops = _stops(compile_regex, monkeypatch, backend)
+
+    def continuing(rest: str) -> set[int]:  # ids whose text is a non-empty prefix of what the regex wants next
+        return {i for i in range(len(tokenizer)) if (t := tokenizer.decode([i])) and rest.startswith(t)}
+
+    requests = {"r": _state([a]), "plain": _state([x], structured=False), "idle": _state([a])}
+    assert stops.start_round(["plain", "r", "idle"], requests, torch.tensor([[x], [b], [b]]), [1, 1, 1])  # "ab"
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    stops.mask(logits, [True, True, False])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    assert _allowed(logits[1]) == continuing("cdx") and c in _allowed(logits[1])
+    assert torch.equal(logits[1][list(_allowed(logits[1]))], before[1][list(_allowed(logits[1]))])
+    stop = [False, False, False]
+    stops.refuse([x, c, c], [True, True, False], [True, True, True], stop)  # "abc"
+    logits = torch.randn(3, vocab)
+    stops.mask(logits, [True, True, False])
+    assert _allowed(logits[1]) == continuing("dx") and d in _allowed(logits[1])
+    assert stops.masked == 2 and stops.stops == 0
+    stops.end_round()
+
+
+def test_a_row_whose_grammar_fails_draws_unmasked(compile_regex, monkeypatch, backend, ids):
+    a, b = ids["a"], ids["b"]
+    stops = _stops(compile_regex, monkeypatch, backend)
+    assert stops.start_round(["r"], {"r": _state([a])}, torch.tensor([[b]]), [1])
+    ((_, _, matcher, grammar),) = stops._round
+
+    def fail(*args):
+        raise RuntimeError("backend failure")
+
+    monkeypatch.setattr(grammar, "fill_bitmask", fail)
+    logits = torch.randn(1, 6144)
+    before = logits.clone()
+    stops.mask(logits, [True])
+    assert matcher.broken and torch.equal(logits, before)
+    stops.mask(logits, [True])  # broken: not even offered again
+    assert stops.masked == 1
+
+
+def test_a_token_that_ends_the_grammar_ends_the_rows_round(compile_regex, monkeypatch, backend, ids):
+    """After the stop token nothing can follow: the row stops there (the token kept), and its matcher,
+    ended, is neither asked for a mask nor counted as broken; the round's end rolls it back."""
+    from transformers import AutoTokenizer
+
+    a, b, c, d, x = (ids[k] for k in "abcdx")
+    eos = AutoTokenizer.from_pretrained(str(TARGET)).eos_token_id
+    stops = _stops(compile_regex, monkeypatch, backend)
+    assert stops.start_round(["r"], {"r": _state([a, b, c])}, torch.tensor([[d]]), [1])  # "abcd"
+    ((_, _, matcher, grammar),) = stops._round
+    stop = [False]
+    stops.refuse([x], [True], [True], stop)  # "abcdx": the regex is complete, the grammar not ended
+    assert stop == [False]
+    logits = torch.randn(1, 6144)
+    stops.mask(logits, [True])
+    assert eos in _allowed(logits[0]) and x not in _allowed(logits[0])
+    stops.refuse([eos], [True], [True], stop)
+    assert stop == [True] and stops.stops == 1 and grammar.is_terminated()
+    logits = torch.randn(1, 6144)
+    before = logits.clone()
+    stops.mask(logits, [True])
+    assert torch.equal(logits, before) and not matcher.broken
+    stops.end_round()
+    assert not grammar.is_terminated() and grammar.validate_tokens([x]) == [x]  # back at "abcd"

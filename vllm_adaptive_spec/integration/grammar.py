@@ -9,9 +9,15 @@ each draft token as it is drawn, and ends the row's round after the first one it
 stays in the draft and the scheduler cuts it as before, so what the target verifies does not change:
 only when drafting ends. At the round's end the matchers roll their draft tokens back.
 
+With `grammar_mask` the loop also masks each structured row's draft logits, before the draw, to the
+tokens its grammar allows next (`mask`): the draft then proposes the best token the target could
+accept instead of one the scheduler would cut. What the target verifies changes, never what it emits:
+its own pass applies the same grammar, drafts are only proposals, and a draft drawn from the masked
+distribution is verified against that distribution (ALGORITHMS.md).
+
 A matcher that is not compiled yet, fails to compile or fails to follow the request's own output
-(it never should) makes no stops for its request; nothing here can change an output, only how many
-draft steps a round runs.
+(it never should) makes no stops and masks nothing for its request; nothing here can change an
+output, only how many draft steps a round runs and which tokens the draft proposes.
 """
 
 from __future__ import annotations
@@ -54,11 +60,15 @@ class _Matcher:
 @dataclass
 class GrammarStops:
     vllm_config: Any
+    masks: bool = False  # grammar_mask: draws of structured rows only from what the grammar allows
     stops: int = 0  # rows whose round a refused draft token ended
+    masked: int = 0  # draft draws made under a grammar's mask
     _matchers: dict[str, _Matcher] = field(default_factory=dict)
     _round: list[tuple[int, str, _Matcher, Any]] = field(default_factory=list)  # (row, request, matcher, grammar)
     _manager: Any = None  # vLLM's StructuredOutputManager, built on the background thread
     _compiler: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "adaptive-spec-grammar"))
+    _bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, the backend's layout
+    _bits: torch.Tensor | None = None  # [32] int32 shifts 0..31
 
     def start_round(
         self, req_ids: list[str], requests: dict, sampled: torch.Tensor | None, generated: list[int]
@@ -96,15 +106,46 @@ class GrammarStops:
             self._round.append((i, req_id, matcher, grammar))
         return bool(self._round)
 
+    def mask(self, logits: torch.Tensor, active: list[bool]) -> None:
+        """Before a draft step's draw: logits [B, V] of rows still drafting (active) with a working
+        matcher keep what their grammar allows next; the rest become -inf, in place. One grammar fill
+        per such row on the host, one copy of the packed mask to the logits' device."""
+        rows = [
+            (i, req_id, m, g) for i, req_id, m, g in self._round if active[i] and not m.broken and not g.is_terminated()
+        ]
+        if not rows:
+            return
+        n, vocab = len(rows), logits.shape[-1]
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = self._manager.backend.allocate_token_bitmask(n)  # [n, W] int32
+            self._bits = torch.arange(32, dtype=torch.int32)
+        packed = self._bitmask[:n]
+        for k, (_, req_id, matcher, grammar) in enumerate(rows):
+            _guarded(matcher, req_id, grammar.fill_bitmask, packed, k)
+            if matcher.broken:  # its grammar failed: the row draws unmasked
+                packed[k] = -1
+        allowed = ((packed.unsqueeze(-1) >> self._bits) & 1).view(n, -1).bool()  # [n, 32 W]
+        if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        index = torch.tensor([i for i, *_ in rows], device=logits.device)
+        sub = logits.index_select(0, index)  # [n, V]
+        sub.masked_fill_(~allowed[:, :vocab].to(logits.device, non_blocking=True), float("-inf"))
+        logits.index_copy_(0, index, sub)
+        self.masked += n
+
     def refuse(self, tokens: list[int], active: list[bool], keeps: list[bool], stops: list[bool]) -> None:
-        """One draft step: offer each row still drafting its kept token; a refused one ends the row's
-        round (stops[i] = True, in place). tokens: the step's draft tokens [B] on the host."""
+        """One draft step: offer each row still drafting its kept token; a refused one, or one that ends
+        the grammar, ends the row's round (stops[i] = True, in place). tokens: the step's draft tokens
+        [B] on the host."""
         for i, req_id, matcher, grammar in self._round:
             if not active[i] or not keeps[i] or stops[i] or matcher.broken:
                 continue  # the row's round ends anyway, or its grammar failed: nothing to check
             if _guarded(matcher, req_id, grammar.validate_tokens, [tokens[i]]):
                 if _guarded(matcher, req_id, grammar.accept_tokens, req_id, [tokens[i]]):
                     matcher.drafted += 1
+                    if grammar.is_terminated():  # the token ends the grammar (a stop token): nothing follows
+                        stops[i] = True
+                        self.stops += 1
             elif not matcher.broken:
                 stops[i] = True
                 self.stops += 1

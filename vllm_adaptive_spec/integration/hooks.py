@@ -110,12 +110,9 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
         why = f"with a reasoning parser ({parser!r}) the grammar starts where reasoning ends"
     else:
         why = None
-    if why is not None:
+    for field in ("grammar_mask", "grammar_stop") if why is not None else ():
         cfg = _off_here(
-            vllm_config,
-            cfg,
-            "grammar_stop",
-            f"adaptive_spec.grammar_stop: true does not combine with this engine: {why}",
+            vllm_config, cfg, field, f"adaptive_spec.{field}: true does not combine with this engine: {why}"
         )
     if cfg.policy == "pearl":
         if method != "draft_model":

@@ -63,7 +63,11 @@ def worker_stats(runner: Any = None) -> list[dict]:
         | {"policy": p.policy.name, "tracked": p.policy.num_tracked(), "prepare_ahead": p.prepare_ahead}
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
         | (
-            {"grammar_stops": p.grammar.stops, "grammar_tracked": p.grammar.num_tracked()}
+            {
+                "grammar_stops": p.grammar.stops,
+                "grammar_masked": p.grammar.masked,
+                "grammar_tracked": p.grammar.num_tracked(),
+            }
             if p.grammar is not None
             else {}
         )
