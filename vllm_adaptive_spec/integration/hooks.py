@@ -104,7 +104,6 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
             f"adaptive_spec.batch_aware: true does not combine with speculative_config.method={method!r} "
             "(the block is drafted in one forward, so there is no next draft step to weigh)",
         )
-    if method in PARALLEL_METHODS:
         why = f"speculative_config.method={method!r} drafts its block in one forward: no draft step to save"
     elif parser := getattr(getattr(vllm_config, "structured_outputs_config", None), "reasoning_parser", None):
         why = f"with a reasoning parser ({parser!r}) the grammar starts where reasoning ends"
