@@ -213,8 +213,8 @@ def test_stop_rule_on_hand_made_probabilities():
     p_steps = torch.tensor([[0.9, 0.99, 0.9], [0.9, 0.99, float("nan")], [0.5, 0.99, 0.9]])  # [t, B]
     stops = []
     for p in p_steps:
-        running, stop = stop_rule(running, p, threshold=0.3)
-        stops.append(stop.tolist())
+        running, go = stop_rule(running, p, threshold=0.3)
+        stops.append((~go).tolist())
     assert stops == [[False, False, False], [False, False, True], [True, False, True]]
     assert running[0].item() == pytest.approx(0.405)
     p = torch.tensor([[0.9, 0.9, 0.5, 1.0], [0.9, 0.9, 0.9, 0.9], [0.99, 0.99, 0.99, 0.99], [float("nan")] * 4])

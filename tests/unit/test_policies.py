@@ -84,8 +84,52 @@ def test_nan_and_inf_logits_stop_without_crashing(name, bad):
     logits = torch.stack([torch.log(PEAKED), torch.full((V,), bad)])  # [2, V]
     hidden = torch.zeros(2, 256)  # [2, H] the toy draft's hidden size
     d = p.decide(policy_logprobs(logits, None), torch.tensor([0, 0]), t=0, hidden=hidden)
-    assert d.stop[1] and not d.keep[1]
-    assert not d.stop[0] or name in ("svip", "adaedl")  # the healthy row is untouched
+    assert not d.keep[1]  # not kept: the loop stops the row whatever stop says (test_a_row_not_kept_stops)
+    assert d.keep[0] and (not d.stop[0] or name in ("svip", "adaedl"))  # the healthy row is untouched
+
+
+def test_a_row_not_kept_stops():
+    """The contract the policies rely on (base.StopPolicy): a row whose y_t is not kept stops, even with
+    stop False; a kept row stops only when it says so or reaches its limit."""
+    from vllm_adaptive_spec.integration.proposer import _account
+
+    active, lengths, drawn = [True, True, True, True], [0, 0, 0, 0], [0, 0, 0, 0]
+    kept = _account(0, [False, True, True, True], [False, False, True, False], [8, 8, 8, 1], active, lengths, drawn)
+    assert kept == [False, True, True, True]
+    assert active == [False, True, False, False] and lengths == [0, 1, 1, 1] and drawn == [1, 1, 1, 1]
+
+
+def _old_svip(logp, max_entropy):
+    """svip's decisions as written before the rewrite of its ops (H from exp, two negations)."""
+    h = -torch.linalg.vecdot(logp.exp(), logp.clamp_min(torch.finfo(logp.dtype).min))
+    return ~torch.isnan(h), ~(h <= max_entropy)
+
+
+def test_fewer_ops_same_decisions():
+    """Regression for the cheaper svip, confidence and AdaEDL decide (softmax instead of exp, one
+    comparison each): the same keep for every row and the same stop for every kept row as the
+    formulas they replace, on random rows, masked tokens and bad rows."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=g) * torch.rand(64, 1, generator=g) * 6  # [B, V] from flat to peaked
+    logits[:8, 25:] = float("-inf")  # masked tokens
+    logits[8] = float("nan")
+    logits[9, 3] = float("inf")
+    logp = torch.log_softmax(logits, -1)
+    tokens = torch.randint(0, 25, (64,), generator=g)
+    for threshold in (0.1, 0.3, 0.5):
+        d = SvipPolicy(threshold=threshold).decide(logp, tokens, t=0)
+        keep, stop = _old_svip(logp, threshold**2 / 0.15)
+        assert torch.equal(d.keep, keep) and torch.equal(d.stop[keep], stop[keep])
+        assert 0 < int(d.stop[keep].sum()) < int(keep.sum())  # both decisions occur
+    for threshold in (0.2, 0.4, 0.8):
+        d = ConfidencePolicy(threshold).decide(logp, tokens, t=0)
+        logq = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        keep = ~torch.isnan(logq)
+        assert torch.equal(d.keep, keep) and torch.equal(d.stop[keep], ~(logq >= math.log(threshold))[keep])
+    p = AdaEdlPolicy(lam=0.5)
+    p.round_limits([str(i) for i in range(64)], cap=8)
+    keep = ~(~(entropy(logp) <= (1 - 0.5) ** 2 / p.gamma))  # the old rule: H <= (1 - lam)^2 / gamma
+    assert torch.equal(p.decide(logp, tokens, t=0).keep, keep)
 
 
 def test_policy_logprobs_greedy_fast_path_equals_casting_first():

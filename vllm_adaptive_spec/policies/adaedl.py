@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, neg_entropy
 from vllm_adaptive_spec.policies.params import Param
 
 
@@ -37,19 +37,19 @@ class AdaEdlPolicy(StopPolicy):
         self.lam0, self.gamma = lam, gamma
         self.beta1, self.beta2, self.eps, self.target_ar = beta1, beta2, eps, target_ar
         self._state: dict[str, tuple[float, float]] = {}  # req_id -> (lam, AR)
-        self._max_entropy: torch.Tensor | None = None  # [B] this round's entropy bounds
+        self._min_neg_entropy: torch.Tensor | None = None  # [B] this round's bounds on -H
 
     def round_limits(self, req_ids: list[str], cap: int) -> list[int]:
         lams = [self._state.get(r, (self.lam0, 1.0))[0] for r in req_ids]
         # 1 - sqrt(g * H) >= lam  <=>  H <= (1 - lam)^2 / g  (never, when lam > 1)
         bounds = [(1 - lam) ** 2 / self.gamma if lam <= 1 else -1.0 for lam in lams]
-        self._max_entropy = torch.tensor(bounds, dtype=torch.float32, device=self.device)
+        self._min_neg_entropy = torch.tensor([-b for b in bounds], dtype=torch.float32, device=self.device)
         return [cap] * len(req_ids)
 
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
-        keep = entropy(logp) <= self._max_entropy  # [B]; NaN -> False -> drop and stop
+        keep = neg_entropy(logp) >= self._min_neg_entropy  # [B]; NaN -> False -> drop and stop
         return StepDecision(keep=keep, stop=~keep)
 
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:

@@ -25,5 +25,4 @@ class ConfidencePolicy(StopPolicy):
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
         logq = logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [B] log q_t(y_t), NaN for bad rows
-        sure = logq >= self._log_threshold  # NaN -> False -> stop
-        return StepDecision(keep=~torch.isnan(logq), stop=~sure)
+        return StepDecision(keep=logq == logq, stop=logq < self._log_threshold)  # NaN: not kept

@@ -66,6 +66,6 @@ class SpecDecPPPolicy(StopPolicy):
         if t == 0 or hidden is None:
             return StepDecision(keep=ok, stop=~ok)
         p = self._prob(hidden)  # [B] p_{t-1}
-        self._running, stop = stop_rule(self._running, p, self.threshold)
-        keep = ok & ~stop
+        self._running, go = stop_rule(self._running, p, self.threshold)
+        keep = ok & go
         return StepDecision(keep=keep, stop=~keep)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy
+from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, neg_entropy
 from vllm_adaptive_spec.policies.params import Param
 
 
@@ -19,12 +19,11 @@ class SvipPolicy(StopPolicy):
     def __init__(self, threshold: float = 0.3, entropy_scale: float = 0.15):
         self.threshold = threshold
         self.entropy_scale = entropy_scale
-        # sqrt(c_e * H) > h  <=>  H > h^2 / c_e: one comparison per step
-        self._max_entropy = threshold**2 / entropy_scale
+        # sqrt(c_e * H) > h  <=>  H > h^2 / c_e  <=>  -H < -h^2 / c_e: one comparison per step
+        self._min_neg_entropy = -(threshold**2) / entropy_scale
 
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
-        h = entropy(logp)  # [B], NaN for bad rows
-        calm = h <= self._max_entropy  # NaN -> False -> stop
-        return StepDecision(keep=~torch.isnan(h), stop=~calm)
+        s = neg_entropy(logp)  # [B] -H, NaN for bad rows
+        return StepDecision(keep=s == s, stop=s < self._min_neg_entropy)  # NaN: not kept
