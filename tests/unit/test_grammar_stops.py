@@ -172,6 +172,46 @@ def test_the_mask_leaves_each_row_what_its_grammar_takes_next(compile_regex, mon
     stops.end_round()
 
 
+def test_the_mask_on_every_row_in_bfloat16(compile_regex, monkeypatch, backend, ids):
+    """Every row structured and drafting (the mask applies in place, without the row gather), on the
+    draft's bfloat16 logits: each row keeps exactly its grammar's next tokens, their values untouched."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
+    a, b, c = ids["a"], ids["b"], ids["c"]
+    stops = _stops(compile_regex, monkeypatch, backend)
+    assert stops.start_round(["r", "s"], {"r": _state([a]), "s": _state([a, b])}, torch.tensor([[b], [c]]), [1, 1])
+    logits = torch.randn(2, 6144).bfloat16()
+    before = logits.clone()
+    stops.mask(logits, [True, True])
+    for row, rest in enumerate(("cdx", "dx")):  # "ab" and "abc" so far
+        want = {i for i in range(len(tokenizer)) if (t := tokenizer.decode([i])) and rest.startswith(t)}
+        kept = sorted(_allowed(logits[row]))
+        assert set(kept) == want and torch.equal(logits[row, kept], before[row, kept])
+    stops.end_round()
+
+
+def test_a_greedy_draw_masks_only_rows_whose_argmax_the_grammar_refuses(compile_regex, monkeypatch, backend, ids):
+    """mask_refused: the same tokens as masking every row before the argmax; a row whose argmax the grammar
+    takes keeps its logits (no fill), a refused one is masked and drawn again, a plain row is untouched."""
+    a, b, c, x = ids["a"], ids["b"], ids["c"], ids["x"]
+    stops = _stops(compile_regex, monkeypatch, backend)
+    requests = {"ok": _state([a]), "bad": _state([a]), "plain": _state([x], structured=False)}
+    assert stops.start_round(["ok", "bad", "plain"], requests, torch.tensor([[b], [b], [x]]), [1, 1, 1])  # "ab"
+    logits = torch.randn(3, 6144)
+    logits[0, c] = 50.0  # the grammar takes c next
+    logits[1, x], logits[1, c] = 50.0, 20.0  # it refuses x; c is the best it allows
+    logits[2, x] = 50.0
+    full = logits.clone()
+    stops.mask(full, [True, True, False])
+    before = logits.clone()
+    tokens = stops.mask_refused(logits, logits.argmax(-1), [True, True, True])
+    assert tokens.tolist() == full.argmax(-1).tolist() == [c, c, x]
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])  # not masked
+    assert torch.equal(logits[1], full[1]) and stops.masked == 2 + 1
+    stops.end_round()
+
+
 def test_a_row_whose_grammar_fails_draws_unmasked(compile_regex, monkeypatch, backend, ids):
     a, b = ids["a"], ids["b"]
     stops = _stops(compile_regex, monkeypatch, backend)

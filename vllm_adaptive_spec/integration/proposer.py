@@ -305,7 +305,8 @@ class AdaptiveDraftLoop:
                 hidden, carried = hidden[:batch], carried[:batch]
                 forwards += 1
             logits = self.model.compute_logits(hidden)  # [B, V]
-            if grammar is not None and grammar.masks:  # structured rows draw only what their grammar allows
+            masking = grammar is not None and grammar.masks  # structured rows draw only what their grammar allows
+            if masking and not greedy_draws:  # a sampled draw reads the whole masked distribution
                 grammar.mask(logits, active)
             if greedy_draws:
                 # vLLM's greedy draw is an argmax of the logits. On CPU a bfloat16 argmax costs about
@@ -314,6 +315,8 @@ class AdaptiveDraftLoop:
                 # maximum in either dtype, so the tokens are vLLM's.
                 logits = logits.float()
                 tokens, draft_probs = logits.argmax(dim=-1), None  # [B]
+                if masking:  # only rows whose argmax the grammar refuses need the mask (the same tokens)
+                    tokens = grammar.mask_refused(logits, tokens, active)
             else:
                 tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
             logp = policy_logprobs(logits, temperature)  # [B, V]
