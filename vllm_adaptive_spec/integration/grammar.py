@@ -12,7 +12,7 @@ only when drafting ends. At the round's end the matchers roll their draft tokens
 With `grammar_mask` the loop also masks each structured row's draft logits, before the draw, to the
 tokens its grammar allows next (`mask`): the draft then proposes the best token the target could
 accept instead of one the scheduler would cut. A greedy draw masks only the rows whose argmax the
-grammar refuses (`mask_refused`: the same tokens, without the fill where the argmax is allowed).
+grammar refuses on CPU (`mask_refused`: the same tokens, without the fill where the argmax is allowed).
 What the target verifies changes, never what it emits: its own pass applies the same grammar, drafts
 are only proposals, and a draft drawn from the masked distribution is verified against that
 distribution (ALGORITHMS.md).

@@ -306,7 +306,10 @@ class AdaptiveDraftLoop:
                 forwards += 1
             logits = self.model.compute_logits(hidden)  # [B, V]
             masking = grammar is not None and grammar.masks  # structured rows draw only what their grammar allows
-            if masking and not greedy_draws:  # a sampled draw reads the whole masked distribution
+            # A greedy draw on CPU masks only the rows whose argmax the grammar refuses; a sampled draw reads
+            # the whole masked distribution, and on a GPU reading the argmax first would add a host sync.
+            refused_only = masking and greedy_draws and logits.device.type == "cpu"
+            if masking and not refused_only:
                 grammar.mask(logits, active)
             if greedy_draws:
                 # vLLM's greedy draw is an argmax of the logits. On CPU a bfloat16 argmax costs about
@@ -315,7 +318,7 @@ class AdaptiveDraftLoop:
                 # maximum in either dtype, so the tokens are vLLM's.
                 logits = logits.float()
                 tokens, draft_probs = logits.argmax(dim=-1), None  # [B]
-                if masking:  # only rows whose argmax the grammar refuses need the mask (the same tokens)
+                if refused_only:  # the same tokens as masking every structured row
                     tokens = grammar.mask_refused(logits, tokens, active)
             else:
                 tokens, draft_probs = self._sample_from_logits(logits, sampling_metadata)  # [B], [B, V] | None
