@@ -209,6 +209,12 @@ def test_a_greedy_draw_masks_only_rows_whose_argmax_the_grammar_refuses(compile_
     assert tokens.tolist() == full.argmax(-1).tolist() == [c, c, x]
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])  # not masked
     assert torch.equal(logits[1], full[1]) and stops.masked == 2 + 1
+    checked = []
+    for _, _, _, grammar in stops._round:  # refuse checks only the token mask_refused did not see taken
+        monkeypatch.setattr(grammar, "validate_tokens", lambda t, v=grammar.validate_tokens: checked.append(t) or v(t))
+    stop = [False, False, False]
+    stops.refuse(tokens.tolist(), [True, True, True], [True, True, True], stop)
+    assert stop == [False, False, False] and checked == [[c]]  # row "bad"'s redrawn c; row "ok"'s c was seen
     stops.end_round()
 
 

@@ -71,6 +71,7 @@ class GrammarStops:
     _manager: Any = None  # vLLM's StructuredOutputManager, built on the background thread
     _compiler: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "adaptive-spec-grammar"))
     _bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, the backend's layout
+    _taken: dict[int, int] = field(default_factory=dict)  # row -> its token this step, taken (mask_refused)
 
     def start_round(
         self, req_ids: list[str], requests: dict, sampled: torch.Tensor | None, generated: list[int]
@@ -150,10 +151,13 @@ class GrammarStops:
         tokens: [B] the argmax of logits [B, V]."""
         host = tokens.tolist()
         refused = [False] * len(active)
+        self._taken = {}
         for i, req_id, matcher, grammar in self._round:
             if active[i] and not matcher.broken and not grammar.is_terminated():
-                taken = _guarded(matcher, req_id, grammar.validate_tokens, [host[i]])
-                refused[i] = not taken and not matcher.broken
+                if _guarded(matcher, req_id, grammar.validate_tokens, [host[i]]):
+                    self._taken[i] = host[i]  # refuse need not check it again
+                else:
+                    refused[i] = not matcher.broken
         if not any(refused):
             return tokens
         self.mask(logits, refused)
@@ -164,10 +168,11 @@ class GrammarStops:
         """One draft step: offer each row still drafting its kept token; a refused one, or one that ends
         the grammar, ends the row's round (stops[i] = True, in place). tokens: the step's draft tokens
         [B] on the host."""
+        taken, self._taken = self._taken, {}
         for i, req_id, matcher, grammar in self._round:
             if not active[i] or not keeps[i] or stops[i] or matcher.broken:
                 continue  # the row's round ends anyway, or its grammar failed: nothing to check
-            if _guarded(matcher, req_id, grammar.validate_tokens, [tokens[i]]):
+            if taken.get(i) == tokens[i] or _guarded(matcher, req_id, grammar.validate_tokens, [tokens[i]]):
                 if _guarded(matcher, req_id, grammar.accept_tokens, req_id, [tokens[i]]):
                     matcher.drafted += 1
                     if grammar.is_terminated():  # the token ends the grammar (a stop token): nothing follows
@@ -183,7 +188,7 @@ class GrammarStops:
             if matcher.drafted and not matcher.broken:
                 _guarded(matcher, req_id, grammar.rollback, matcher.drafted)
             matcher.drafted = 0
-        self._round = []
+        self._round, self._taken = [], {}
 
     def forget(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
