@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.unit.test_policies import stops
 from vllm_adaptive_spec import ConfigError, parse_additional_config
 from vllm_adaptive_spec.heads.fileformat import META_KEY, draft_identity, model_fingerprint
 from vllm_adaptive_spec.heads.specdecpp import (
@@ -246,11 +247,11 @@ def test_policy_judges_the_previous_token_and_stops(head_file):
     tokens = torch.zeros(3, dtype=torch.long)
     hidden = torch.randn(3, H)
     d = policy.decide(logp, tokens, 0, hidden)  # nothing to judge yet; the NaN row stops
-    assert d.keep.tolist() == [True, True, False] and d.stop.tolist() == [False, False, True]
+    assert d.keep.tolist() == [True, True, False] and stops(d) == [False, False, True]
     d = policy.decide(logp[:2].clone().repeat(2, 1)[:3], tokens, 1, hidden)  # p_0 = 0.9: risk 0.1
     assert d.keep.tolist() == [True, True, True] and not d.stop.any()
     d = policy.decide(logp[:2].clone().repeat(2, 1)[:3], tokens, 2, hidden)  # row b: 1 - 0.9*0.5 = 0.55 > 0.3
-    assert d.keep.tolist() == [True, False, True] and d.stop.tolist() == [False, True, False]
+    assert d.keep.tolist() == [True, False, True] and stops(d) == [False, True, False]
     d = policy.decide(logp[:2].clone().repeat(2, 1)[:3], tokens, 3, hidden)  # 1 - 0.729 = 0.271 <= 0.3
     assert d.keep.tolist() == [True, False, True]
     # a new round starts from a product of 1
@@ -267,7 +268,7 @@ def test_policy_stops_on_nan_hidden_state(head_file):
     hidden = torch.zeros(2, H)
     hidden[1] = float("nan")
     d = policy.decide(logp, torch.zeros(2, dtype=torch.long), 1, hidden)
-    assert d.keep.tolist() == [True, False] and d.stop.tolist() == [False, True]
+    assert d.keep.tolist() == [True, False] and stops(d) == [False, True]
 
 
 def test_policy_builds_its_forward_once_per_device_as_set(head_file):

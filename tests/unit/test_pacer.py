@@ -112,22 +112,15 @@ def test_blockwise_inference_equals_the_training_path(use_position):
         want.append(full[0, len(ctx) :])
     layer.freeze()  # the policy's inference path (heads.affine); the training path above stays F.linear
     width, cap, block = 5, 6, 2
-    k_buf, v_buf = torch.zeros(2, 2, width + cap, H // 2), torch.zeros(2, 2, width + cap, H // 2)
+    kv = torch.zeros(2, 2, 2, width + cap, H // 2)  # [k/v, B, heads, T, d]
     valid = torch.zeros(2, width, dtype=torch.bool)
     for i, ctx in enumerate(ctxs):
-        k, v = layer.context_kv(ctx[None])
-        k_buf[i, :, : len(ctx)], v_buf[i, :, : len(ctx)] = k[0], v[0]
+        kv[:, i, :, : len(ctx)] = layer.context_kv(ctx[None])[:, 0]
         valid[i, : len(ctx)] = True
     mask = torch.cat([valid[:, None].expand(2, cap, width), torch.ones(cap, cap).tril().bool().expand(2, -1, -1)], -1)
-    rows = layer.position_rows(cap, torch.device("cpu"))
+    x = drafts + layer.position_rows(cap, torch.device("cpu"))  # embedded as the policy stores them
     got = [
-        layer.score_block(
-            drafts[:, f : f + block],
-            rows[f : f + block],
-            (k_buf, v_buf),
-            width + f,
-            mask[:, f : f + block, : width + f + block],
-        )
+        layer.score_block(x[:, f : f + block], kv, width + f, mask[:, f : f + block, : width + f + block])
         for f in range(0, cap, block)
     ]
     torch.testing.assert_close(torch.cat(got, dim=1), torch.stack(want), rtol=1e-5, atol=1e-5)
@@ -280,9 +273,9 @@ def test_policy_judges_full_blocks_and_keeps_context(pacer_file):
     logits = iter([torch.tensor([[3.0, 3.0], [-3.0, -3.0]]), torch.full((2, 2), 3.0)])  # [B, block] per judged block
     seen = []
 
-    def fake_score_block(block, pos_rows, kv, at, mask):
-        width = p._round[3]
-        seen.append((mask[:, 0, :width].clone(), at - width, mask.shape[2] - width, block.shape[1]))
+    def fake_score_block(x, kv, at, mask):
+        width = p._round[2]
+        seen.append((mask[:, 0, :width].clone(), at - width, mask.shape[2] - width, x.shape[1]))
         return next(logits)
 
     p.layer.score_block = fake_score_block
@@ -297,7 +290,7 @@ def test_policy_judges_full_blocks_and_keeps_context(pacer_file):
     d1 = p.decide(logp, tok, 1, torch.zeros(2, H))
     assert not seen and d0.keep.all() and d1.keep.all() and not d1.stop.any()  # no full block yet
     d2 = p.decide(logp, tok, 2, torch.zeros(2, H))  # block of tokens 1-2: alphas ~.95 / ~.05
-    assert d2.keep.tolist() == [True, False] and d2.stop.tolist() == [False, True]
+    assert d2.keep.tolist() == [True, False] and not d2.stop.any()  # a row not kept stops (the loop's rule)
     assert seen[0][0].tolist() == [[True, True, True], [True, True, False]] and seen[0][1:] == (0, 2, 2)
     p.decide(logp, tok, 3, torch.zeros(2, H))
     p.decide(logp, tok, 4, torch.zeros(2, H))
@@ -309,6 +302,25 @@ def test_policy_judges_full_blocks_and_keeps_context(pacer_file):
     p.forget("a")
     p.forget("b")
     assert p.num_tracked() == 0
+
+
+def test_threshold_grows_per_judged_block_of_a_round(pacer_file, monkeypatch):
+    """The round's j-th block is judged at threshold * growth^j (the same for every row still drafting: a
+    row that stopped is done for the round); each round starts again at the threshold."""
+    import vllm_adaptive_spec.policies.pacer as mod
+
+    seen = []
+    monkeypatch.setattr(
+        mod, "go_on", lambda alpha, threshold, rule: seen.append(threshold) or alpha[:, 0] == alpha[:, 0]
+    )
+    p = PacerPolicy(str(pacer_file), block_size=2, threshold=0.5, growth=1.1, context_window=3)
+    logp = torch.log(torch.full((2, 4), 0.25))
+    for _ in range(2):
+        p.round_limits(["a", "b"], cap=7)
+        p.observe_context(["a", "b"], torch.randn(3, H), starts=[0, 2], lengths=[2, 1], positions=[0, 0])
+        for t in range(7):
+            p.decide(logp, torch.zeros(2, dtype=torch.long), t, torch.randn(2, H))
+    assert seen == pytest.approx([0.5, 0.55, 0.605] * 2)
 
 
 def test_policy_uses_the_files_recommendations(pacer_file):
@@ -329,9 +341,9 @@ def test_cached_context_keys_values_equal_a_fresh_projection(pacer_file):
     for i, req in enumerate(["a", "b"]):
         k, v = p.layer.context_kv(p._ctx[req].unsqueeze(0))  # [1, heads, n, d]
         n = p._ctx[req].shape[0]
-        k_buf, v_buf, mask, width = p._round
-        assert torch.allclose(k_buf[i, :, :n], k[0], atol=1e-6)
-        assert torch.allclose(v_buf[i, :, :n], v[0], atol=1e-6)
+        kv, mask, width = p._round
+        assert torch.allclose(kv[0, i, :, :n], k[0], atol=1e-6)
+        assert torch.allclose(kv[1, i, :, :n], v[0], atol=1e-6)
         assert mask[i, 0, :width].tolist() == [True] * n + [False] * (width - n)
     p.forget("a")
     assert "a" not in p._kv

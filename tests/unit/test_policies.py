@@ -9,6 +9,7 @@ import torch
 
 from vllm_adaptive_spec.policies import POLICY_CLASSES, entropy
 from vllm_adaptive_spec.policies.adaedl import AdaEdlPolicy
+from vllm_adaptive_spec.policies.base import StopPolicy
 from vllm_adaptive_spec.policies.confidence import ConfidencePolicy
 from vllm_adaptive_spec.policies.heuristic import HeuristicPolicy
 from vllm_adaptive_spec.policies.svip import SvipPolicy
@@ -20,6 +21,11 @@ FLAT = torch.full((V,), 1.0 / V)  # H = log 8 ~ 2.08 nats
 
 def batch(*rows):
     return torch.log(torch.stack(rows))  # [B, V] log-probabilities
+
+
+def stops(d) -> list[bool]:
+    """The rows a decision ends, as the loop reads it: not kept, or kept and told to stop."""
+    return (~d.keep | d.stop).tolist()
 
 
 def test_masked_tokens_are_fine():
@@ -51,7 +57,7 @@ def test_adaedl_drops_uncertain_token_and_adapts_lambda():
     p.round_limits(["a", "b"], cap=8)
     d = p.decide(batch(PEAKED, FLAT), torch.tensor([0, 0]), t=0)
     assert d.keep.tolist() == [True, False]
-    assert d.stop.tolist() == [False, True]
+    assert stops(d) == [False, True]
     p.end_round(["a"], drafted=[4], accepted=[0])  # AR falls below 0.9 -> lam rises
     assert p._state["a"][0] > 0.5
     p.forget("a")
@@ -97,6 +103,16 @@ def test_a_row_not_kept_stops():
     kept = _account(0, [False, True, True, True], [False, False, True, False], [8, 8, 8, 1], active, lengths, drawn)
     assert kept == [False, True, True, True]
     assert active == [False, True, False, False] and lengths == [0, 1, 1, 1] and drawn == [1, 1, 1, 1]
+
+
+def test_no_stop_is_one_cached_all_false_tensor_per_size():
+    """The stop of policies whose rows stop exactly when they drop y_t: all False, built once per batch size
+    (not one op per step), never modified by the loop (it copies decisions to the host)."""
+    p = StopPolicy()
+    a, b = p.no_stop(torch.ones(3, dtype=torch.bool)), p.no_stop(torch.zeros(3, dtype=torch.bool))
+    assert a is b and a.tolist() == [False] * 3 and a.dtype == torch.bool
+    assert p.no_stop(torch.ones(2, dtype=torch.bool)).tolist() == [False, False]
+    assert StopPolicy().no_stop(torch.ones(3, dtype=torch.bool)) is not a  # per policy object
 
 
 def _old_svip(logp, max_entropy):

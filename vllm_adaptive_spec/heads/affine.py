@@ -20,7 +20,7 @@ from torch import nn
 
 
 class Affine:
-    """x @ W^T + b with W^T stored contiguous: [..., in] -> [..., out]."""
+    """x @ W^T + b (+ residual) with W^T stored contiguous: [..., in] -> [..., out]."""
 
     __slots__ = ("bias", "wt")
 
@@ -32,9 +32,15 @@ class Affine:
     def of(cls, linear: nn.Linear) -> Affine:
         return cls(linear.weight, linear.bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: [..., out] added to the result; without a bias it is the product's addend (one call)."""
         flat = x.reshape(-1, x.shape[-1])  # [N, in]
-        y = torch.mm(flat, self.wt) if self.bias is None else torch.addmm(self.bias, flat, self.wt)  # [N, out]
+        if residual is not None and self.bias is None:
+            y = torch.addmm(residual.reshape(-1, self.wt.shape[1]), flat, self.wt)  # [N, out]
+        else:
+            y = torch.mm(flat, self.wt) if self.bias is None else torch.addmm(self.bias, flat, self.wt)  # [N, out]
+            if residual is not None:
+                y = y.add_(residual.reshape(-1, y.shape[1]))
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -53,9 +59,11 @@ class NormAffine:
         self.floor = torch.tensor((n * eps) ** 0.5, dtype=weight.dtype, device=weight.device)  # sqrt(n eps)
         self.bias = None if bias is None else bias.detach()  # [out]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, in]
         scale = torch.hypot(torch.linalg.vector_norm(flat, dim=-1, keepdim=True), self.floor)  # [N, 1]
         y = torch.mm(flat, self.wt)  # [N, out]
         y = y.div_(scale) if self.bias is None else torch.addcdiv(self.bias, y, scale)
+        if residual is not None:
+            y = y.add_(residual.reshape(-1, y.shape[1]))
         return y.view(*x.shape[:-1], y.shape[-1])

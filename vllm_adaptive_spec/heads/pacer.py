@@ -95,17 +95,20 @@ class PacerLayer(nn.Module):
 
     _NORM_OF = {"qkv": "norm_attn", "kv": "norm_attn", "up": "norm_mlp", "out": "norm_out"}
 
-    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's linear map `name` (qkv, kv, proj, up, down, out) applied to x [..., in], after
-        its RMSNorm for the maps that have one (qkv, kv: norm_attn; up: norm_mlp; out: norm_out)."""
+        its RMSNorm for the maps that have one (qkv, kv: norm_attn; up: norm_mlp; out: norm_out),
+        plus `residual` [..., out] when given (frozen: taken into the product's one call)."""
         if self._affine is not None:
-            return self._affine[name](x)
+            return self._affine[name](x, residual)
         if name in self._NORM_OF:
             x = F.rms_norm(x, (x.shape[-1],), getattr(self, self._NORM_OF[name]).weight, self.cfg.eps)
         if name == "kv":
-            return F.linear(x, self.qkv.weight[self.cfg.hidden_size :])
-        lin = getattr(self, name)
-        return F.linear(x, lin.weight, lin.bias)
+            y = F.linear(x, self.qkv.weight[self.cfg.hidden_size :])
+        else:
+            lin = getattr(self, name)
+            y = F.linear(x, lin.weight, lin.bias)
+        return y if residual is None else residual + y
 
     def embed(self, hidden: torch.Tensor, draft_pos: torch.Tensor) -> torch.Tensor:
         """hidden: [..., T, H]; draft_pos: [..., T] long, 0 = context, i = draft token i -> x [..., T, H]."""
@@ -114,20 +117,20 @@ class PacerLayer(nn.Module):
         emb = self.pos(draft_pos.clamp(0, self.cfg.max_draft))  # [..., T, H]
         return hidden + emb * (draft_pos > 0).unsqueeze(-1)  # context: e_0 = 0 always
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, H] (embedded) -> q, k, v, each [B, heads, T, H / heads]."""
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, H] (embedded) -> q, k, v stacked: [3, B, heads, T, H / heads] (a view)."""
         b, t, h = x.shape
         nh = self.cfg.num_heads
         # Functional calls on the modules' weights: the same maths, without nn.Module call
         # overhead, which dominates this small layer's time at inference.
-        q, k, v = self._linear("qkv", x).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
-        return q, k, v
+        return self._linear("qkv", x).view(b, t, 3, nh, h // nh).permute(2, 0, 3, 1, 4)
 
     def _finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
-        """Attention of q over k, v under mask [B, Q, T] bool, then MLP and output -> logits [B, Q]."""
+        """Attention of q over k, v under mask [B, Q, T] bool, then MLP and output -> logits [B, Q].
+        Each residual add rides on its linear map's call (one tensor op fewer each, frozen)."""
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))  # [B, heads, Q, d]
-        x = x + self._linear("proj", a.transpose(1, 2).reshape(x.shape))
-        x = x + self._linear("down", F.silu(self._linear("up", x)))
+        x = self._linear("proj", a.transpose(1, 2).reshape(x.shape), x)
+        x = self._linear("down", F.silu(self._linear("up", x)), x)
         return self._linear("out", x).squeeze(-1)
 
     def forward(self, hidden: torch.Tensor, draft_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,26 +140,26 @@ class PacerLayer(nn.Module):
         q, k, v = self._qkv(x)
         return self._finish(x, q, k, v, mask.expand(hidden.shape[0], -1, -1))
 
-    def context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of accepted context tokens (no embedding): [B, W, H] -> 2 x [B, heads, W, d].
+    def context_kv(self, context: torch.Tensor) -> torch.Tensor:
+        """Keys and values of accepted context tokens (no embedding): [B, W, H] -> [2, B, heads, W, d]
+        (k, v stacked: a view; `k, v = layer.context_kv(...)` unpacks it).
 
         One layer: a context token's key and value depend on its own hidden state only, and
         its query is never needed (context rows carry no output), so only W_k, W_v are applied."""
         b, t, h = context.shape
         nh = self.cfg.num_heads
-        k, v = self._linear("kv", context).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
-        return k, v
+        return self._linear("kv", context).view(b, t, 2, nh, h // nh).permute(2, 0, 3, 1, 4)
 
     def score(
         self,
-        ctx_kv: tuple[torch.Tensor, torch.Tensor],
+        ctx_kv: torch.Tensor,
         ctx_valid: torch.Tensor,
         drafts: torch.Tensor,
         first: int,
     ) -> torch.Tensor:
         """One round at once: the logits of draft tokens first+1..t given the context and all drafts.
 
-        ctx_kv: from `context_kv`, [B, heads, W, d] each; ctx_valid: [B, W] bool;
+        ctx_kv: from `context_kv`, [2, B, heads, W, d]; ctx_valid: [B, W] bool;
         drafts: [B, t, H] hidden states of this round's draft tokens 1..t -> [B, t - first].
         Equals `forward` on the packed sequence [context; drafts] with the chain mask. The
         readable reference for `score_block`, which the policy runs (the tests hold them equal).
@@ -176,26 +179,19 @@ class PacerLayer(nn.Module):
             return torch.zeros(cap, self.cfg.hidden_size, device=device)
         return self.pos(torch.arange(1, cap + 1, device=device).clamp(max=self.cfg.max_draft))
 
-    def score_block(
-        self,
-        block: torch.Tensor,
-        pos_rows: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        at: int,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
+    def score_block(self, x: torch.Tensor, kv: torch.Tensor, at: int, mask: torch.Tensor) -> torch.Tensor:
         """`score` for one new block, reusing the keys/values of everything before it.
 
-        block: [B, b, H] hidden states of draft tokens first+1..first+b; pos_rows:
-        [b, H] their e_i; kv: 2 x [B, heads, T, d] buffers holding the context
-        and the round's earlier drafts in [:at]; the block's keys/values are
-        written at [at, at + b). mask: [B, b, at + b] bool -> logits [B, b].
+        x: [B, b, H] draft tokens first+1..first+b, embedded (hidden state + e_i, see
+        `position_rows`); kv: [2, B, heads, T, d] holding the context and the round's
+        earlier drafts in [..., :at, :]; the block's keys/values are written at
+        [at, at + b). mask: [B, b, at + b] bool -> logits [B, b].
         """
-        x = block + pos_rows
-        q, k, v = self._qkv(x)
-        end = at + block.shape[1]
-        kv[0][:, :, at:end], kv[1][:, :, at:end] = k, v
-        return self._finish(x, q, kv[0][:, :, :end], kv[1][:, :, :end], mask)
+        x = x.contiguous()  # a batch's block is a strided slice of its round; its reshapes below are views
+        qkv = self._qkv(x)  # [3, B, heads, b, d]
+        end = at + x.shape[1]
+        kv[:, :, :, at:end] = qkv[1:]  # keys and values in one copy
+        return self._finish(x, qkv[0], kv[0, :, :, :end], kv[1, :, :, :end], mask)
 
 
 # -- masks and halting (pure) --
@@ -225,21 +221,27 @@ def build_chain_mask(
     return mask
 
 
-def halt(alpha: torch.Tensor, threshold: torch.Tensor, rule: str = "mean") -> torch.Tensor:
-    """Pacer's halting test on one block: alpha [B, b], threshold [B] -> stop [B] bool.
+def go_on(alpha: torch.Tensor, threshold: float | torch.Tensor, rule: str = "mean") -> torch.Tensor:
+    """Pacer's test on one block: alpha [B, b], threshold (a float, or [B]) -> go on drafting [B] bool.
 
-    mean: mean(alpha) <= t (the paper's choice); any: some alpha < t; last:
-    the block's last alpha < t. A NaN among the alphas a rule reads means stop.
+    mean: mean(alpha) > t (the paper's choice); any: every alpha >= t; last:
+    the block's last alpha >= t. A NaN among the alphas a rule reads means stop.
     """
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.unsqueeze(-1)  # [B, 1]
     if rule == "mean":
-        go_on = alpha.mean(-1) > threshold
-    elif rule == "any":
-        go_on = (alpha >= threshold.unsqueeze(-1)).all(-1)
-    elif rule == "last":
-        go_on = alpha[:, -1] >= threshold
-    else:
-        raise ValueError(f"halting rule must be one of {HALTING}, got {rule!r}")
-    return ~go_on  # comparisons with NaN are False -> stop
+        return alpha.mean(-1, keepdim=True).gt(threshold).squeeze(-1)  # comparisons with NaN are False
+    if rule == "any":
+        return (alpha >= threshold).all(-1)
+    if rule == "last":
+        return alpha[:, -1:].ge(threshold).squeeze(-1)
+    raise ValueError(f"halting rule must be one of {HALTING}, got {rule!r}")
+
+
+def halt(alpha: torch.Tensor, threshold: float | torch.Tensor, rule: str = "mean") -> torch.Tensor:
+    """Pacer's halting test: stop [B] bool, the negation of `go_on` (mean(alpha) <= t, some alpha < t,
+    last alpha < t; NaN stops)."""
+    return ~go_on(alpha, threshold, rule)
 
 
 def stop_lengths(alpha: torch.Tensor, block: int, threshold: float, growth: float, rule: str = "mean") -> torch.Tensor:
@@ -248,17 +250,16 @@ def stop_lengths(alpha: torch.Tensor, block: int, threshold: float, growth: floa
     alpha: [B, K] pre-verifier outputs for draft tokens 1..K (each token's
     alpha computed with the earlier ones in view) -> [B] in 1..K: after each
     full block of `block` tokens, stop if the halting rule fires, else
-    threshold *= growth. K caps the round.
+    threshold *= growth (the same for every row still drafting: the j-th
+    block of a round is judged at threshold * growth^j). K caps the round.
     """
     n, k = alpha.shape
     length = torch.full((n,), k, dtype=torch.long)
     running = torch.ones(n, dtype=torch.bool)
-    t = torch.full((n,), float(threshold))
-    for end in range(block, k, block):
-        stop = halt(alpha[:, end - block : end], t, rule) & running
+    for j, end in enumerate(range(block, k, block)):
+        stop = halt(alpha[:, end - block : end], threshold * growth**j, rule) & running
         length = torch.where(stop, torch.full_like(length, end), length)
         running &= ~stop
-        t = t * growth
     return length
 
 

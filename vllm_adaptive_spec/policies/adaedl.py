@@ -50,7 +50,7 @@ class AdaEdlPolicy(StopPolicy):
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
         keep = neg_entropy(logp) >= self._min_neg_entropy  # [B]; NaN -> False -> drop and stop
-        return StepDecision(keep=keep, stop=~keep)
+        return StepDecision(keep=keep, stop=self.no_stop(keep))
 
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         for req_id, n_d, n_a in zip(req_ids, drafted, accepted):

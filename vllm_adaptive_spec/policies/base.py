@@ -71,6 +71,15 @@ class StopPolicy:
     PARAMS: dict[str, Param] = {}  # constructor keyword -> allowed type and range
     device = torch.device("cpu")  # where per-round state tensors live; set by the proposer
 
+    def no_stop(self, keep: torch.Tensor) -> torch.Tensor:
+        """[B] all False, like keep, cached per size and device: the stop of a policy whose rows stop
+        exactly when they drop y_t (a row not kept stops), one tensor op fewer per step than ~keep."""
+        cache = self.__dict__.setdefault("_no_stop", {})
+        key = (keep.shape[0], keep.device)
+        if key not in cache:
+            cache[key] = torch.zeros_like(keep)
+        return cache[key]
+
     @classmethod
     def check_engine(cls, params: dict, draft_model: str) -> None:
         """Start-up check against the engine's draft model (e.g. a trained head
@@ -98,7 +107,7 @@ class StopPolicy:
         """logp: [B, V] log of the draft distribution that produced tokens: [B];
         hidden: [B, H] the draft's final hidden state that produced logp."""
         ok = finite_rows(logp)
-        return StepDecision(keep=ok, stop=~ok)
+        return StepDecision(keep=ok, stop=self.no_stop(ok))
 
     trims = False  # True: the proposer calls admit after the round's loop
 

@@ -3,12 +3,14 @@
 The layer reads h_i, the draft's final hidden state consuming draft token i.
 The proposer hands the policy, at draft step t, the hidden state of the
 forward that produced q_t, i.e. the one consuming y_{t-1}; so at step t the
-policy stores h_{t-1}, and when t is a multiple of b (tokens t-b..t-1 form a
-complete block) it runs the layer on that block, attending to the request's
-accepted context and this round's earlier drafts. If the halting rule fires
-(mean alpha over the block <= threshold by default) y_t is dropped and the
-request stops with t tokens; otherwise the request's threshold grows by rho.
-No host sync inside `decide`.
+policy stores h_{t-1} + e_{t-1} (its position-in-round embedding, added as it
+is stored), and when t is a multiple of b (tokens t-b..t-1 form a complete
+block) it runs the layer on that block, attending to the request's accepted
+context and this round's earlier drafts. If the halting rule fires (mean
+alpha over the block <= threshold by default) y_t is dropped and the request
+stops with t tokens; otherwise it drafts on, and the round's next block is
+judged at threshold * rho (the same for every row still drafting: a row that
+stopped is done for the round). No host sync inside `decide`.
 
 Context: a bounded recent window of the last W accepted tokens' draft hidden
 states per request (the paper uses the full context; W comes from the layer
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.heads.pacer import HALTING, check_pacer, halt, load_pacer
+from vllm_adaptive_spec.heads.pacer import HALTING, check_pacer, go_on, load_pacer
 from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, finite_rows
 from vllm_adaptive_spec.policies.params import Param
 
@@ -68,9 +70,8 @@ class PacerPolicy(StopPolicy):
         self._pos_rows: torch.Tensor | None = None  # [cap, H] e_1..e_cap
         self._causal: torch.Tensor | None = None  # [cap, cap] bool
         # Per round:
-        self._round: tuple | None = None  # k, v buffers [B, heads, W' + cap, d], mask [B, cap, W' + cap], W'
-        self._drafts: torch.Tensor | None = None  # [B, cap, H] h_i of this round's drafts
-        self._thr: torch.Tensor | None = None  # [B] current threshold
+        self._round: tuple | None = None  # kv buffer [2, B, heads, W' + cap, d], mask [B, cap, W' + cap], W'
+        self._drafts: torch.Tensor | None = None  # [B, cap, H] h_i + e_i of this round's drafts
         self._built_for: torch.device | None = None  # the device the layer was moved to and frozen for
 
     @classmethod
@@ -89,7 +90,6 @@ class PacerPolicy(StopPolicy):
             self._causal = torch.ones(cap, cap, dtype=torch.bool, device=self.device).tril()  # [cap, cap]
         self._round = None
         self._drafts = torch.empty(b, cap, h, device=self.device)  # slot i is written before it is read
-        self._thr = torch.full((b,), self.threshold, device=self.device)
         return [cap] * b
 
     def observe_context(
@@ -104,7 +104,7 @@ class PacerPolicy(StopPolicy):
         # project just the new tokens, in one call for the batch, and keep them per request.
         sizes = [f.shape[0] for f in fresh]
         h = self.layer.cfg.hidden_size
-        k_all, v_all = self.layer.context_kv(torch.cat(fresh).reshape(1, -1, h).to(self.device))  # [1, heads, N, d]
+        k_all, v_all = self.layer.context_kv(torch.cat(fresh).reshape(1, -1, h).to(self.device))  # 2 x [1, heads, N, d]
         rows = []
         for req_id, new, k, v in zip(req_ids, fresh, k_all[0].split(sizes, dim=1), v_all[0].split(sizes, dim=1)):
             old, kv = self._ctx.get(req_id), self._kv.get(req_id)
@@ -118,18 +118,17 @@ class PacerPolicy(StopPolicy):
         self._start_round([r[0].shape[1] for r in rows], rows)
 
     def _start_round(self, counts: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """This round's key/value buffers [B, heads, W' + cap, d] (context left-aligned, zero padding,
+        """This round's key/value buffer [2, B, heads, W' + cap, d] (context left-aligned, zero padding,
         then room for the drafts) and its mask [B, cap, W' + cap] (valid context, causal drafts).
         Draft slots are written before they are read, so only context padding needs zeros."""
         b, cap = self._drafts.shape[:2]
         heads, d = self.layer.cfg.num_heads, self.layer.cfg.hidden_size // self.layer.cfg.num_heads
         width = max(counts, default=0)
-        k_buf = torch.empty(b, heads, width + cap, d, device=self.device)
-        v_buf = torch.empty_like(k_buf)
+        kv = torch.empty(2, b, heads, width + cap, d, device=self.device)
         for i, (k, v) in enumerate(rows):
-            k_buf[i, :, : counts[i]], v_buf[i, :, : counts[i]] = k, v
+            kv[0, i, :, : counts[i]], kv[1, i, :, : counts[i]] = k, v
             if counts[i] < width:
-                k_buf[i, :, counts[i] : width], v_buf[i, :, counts[i] : width] = 0.0, 0.0
+                kv[:, i, :, counts[i] : width] = 0.0
         mask = torch.empty(b, cap, width + cap, dtype=torch.bool, device=self.device)
         if any(n < width for n in counts):
             valid = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # [B, W']
@@ -137,33 +136,27 @@ class PacerPolicy(StopPolicy):
         else:
             mask[:, :, :width] = True
         mask[:, :, width:] = self._causal[:cap, :cap]
-        self._round = (k_buf, v_buf, mask, width)
+        self._round = (kv, mask, width)
 
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
         ok = finite_rows(logp)  # [B]
+        no_stop = self.no_stop(ok)  # a row that fails a block drops y_t: keep = False alone stops it
         if t == 0 or hidden is None or self._drafts is None:
-            return StepDecision(keep=ok, stop=~ok)
-        self._drafts[:, t - 1] = hidden  # h of draft token t (1-based), consuming y_{t-1} (cast to float32)
+            return StepDecision(keep=ok, stop=no_stop)
+        # h of draft token t (1-based), consuming y_{t-1}, plus its embedding e_t (in float32)
+        torch.add(hidden, self._pos_rows[t - 1], out=self._drafts[:, t - 1])
         if t % self.block:
-            return StepDecision(keep=ok, stop=~ok)
+            return StepDecision(keep=ok, stop=no_stop)
         if self._round is None:  # no first pass seen this round: judge on the drafts alone
             self._start_round([0] * hidden.shape[0], [])
-        k_buf, v_buf, mask, width = self._round
+        kv, mask, width = self._round
         first = t - self.block
-        logits = self.layer.score_block(
-            self._drafts[:, first:t],
-            self._pos_rows[first:t],
-            (k_buf, v_buf),
-            width + first,
-            mask[:, first:t, : width + t],
-        )  # [B, block]
-        stop = halt(torch.sigmoid(logits), self._thr, self.halting)  # [B]
-        if self.growth != 1.0:
-            self._thr = torch.where(stop, self._thr, self._thr * self.growth)
-        keep = ok & ~stop
-        return StepDecision(keep=keep, stop=~keep)
+        logits = self.layer.score_block(self._drafts[:, first:t], kv, width + first, mask[:, first:t, : width + t])
+        # the round's j-th block is judged at threshold * growth^j (rows still drafting passed blocks 0..j-1)
+        go = go_on(torch.sigmoid(logits), self.threshold * self.growth ** (first // self.block), self.halting)
+        return StepDecision(keep=ok & go, stop=no_stop)
 
     def forget(self, req_id: str) -> None:
         self._ctx.pop(req_id, None)

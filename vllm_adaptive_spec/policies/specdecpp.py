@@ -63,9 +63,9 @@ class SpecDecPPPolicy(StopPolicy):
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:
         ok = finite_rows(logp)  # [B]
+        no_stop = self.no_stop(ok)  # "drop y_t and stop" is keep = False alone
         if t == 0 or hidden is None:
-            return StepDecision(keep=ok, stop=~ok)
+            return StepDecision(keep=ok, stop=no_stop)
         p = self._prob(hidden)  # [B] p_{t-1}
         self._running, go = stop_rule(self._running, p, self.threshold)
-        keep = ok & go
-        return StepDecision(keep=keep, stop=~keep)
+        return StepDecision(keep=ok & go, stop=no_stop)

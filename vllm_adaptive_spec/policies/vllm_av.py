@@ -73,7 +73,7 @@ class VllmAvPolicy(StopPolicy):
         top = logp.amax(dim=-1)  # [B] log q_max
         ok = torch.isfinite(top)  # rows holding NaN (finite_rows) stop
         self.tracker.record(top)
-        return StepDecision(keep=ok, stop=~ok)
+        return StepDecision(keep=ok, stop=self.no_stop(ok))
 
     def admit(self, lengths: torch.Tensor) -> torch.Tensor:
         """After the loop: lengths [B] drafts each row holds -> how many of them go to verification."""
