@@ -140,7 +140,7 @@ def test_position_embeddings_and_their_ablation():
 
 def test_halting_rules_on_hand_made_alphas():
     alpha = torch.tensor([[0.9, 0.9, 0.5], [0.6, 0.6, 0.9], [0.9, 0.9, 0.9], [0.9, float("nan"), 0.9]])
-    t = torch.full((4,), 0.7)
+    t = 0.7
     assert halt(alpha, t, "mean").tolist() == [False, True, False, True]  # means .77, .70 (<= t), .9, NaN
     assert halt(alpha, t, "any").tolist() == [True, True, False, True]
     assert halt(alpha, t, "last").tolist() == [True, False, False, False]  # reads the last alpha only

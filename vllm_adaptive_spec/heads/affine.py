@@ -59,11 +59,9 @@ class NormAffine:
         self.floor = torch.tensor((n * eps) ** 0.5, dtype=weight.dtype, device=weight.device)  # sqrt(n eps)
         self.bias = None if bias is None else bias.detach()  # [out]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, in]
         scale = torch.hypot(torch.linalg.vector_norm(flat, dim=-1, keepdim=True), self.floor)  # [N, 1]
         y = torch.mm(flat, self.wt)  # [N, out]
         y = y.div_(scale) if self.bias is None else torch.addcdiv(self.bias, y, scale)
-        if residual is not None:
-            y = y.add_(residual.reshape(-1, y.shape[1]))
         return y.view(*x.shape[:-1], y.shape[-1])

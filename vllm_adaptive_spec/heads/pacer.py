@@ -99,8 +99,8 @@ class PacerLayer(nn.Module):
         """The layer's linear map `name` (qkv, kv, proj, up, down, out) applied to x [..., in], after
         its RMSNorm for the maps that have one (qkv, kv: norm_attn; up: norm_mlp; out: norm_out),
         plus `residual` [..., out] when given (frozen: taken into the product's one call)."""
-        if self._affine is not None:
-            return self._affine[name](x, residual)
+        if self._affine is not None:  # only the maps without a norm (proj, down) are given a residual
+            return self._affine[name](x) if residual is None else self._affine[name](x, residual)
         if name in self._NORM_OF:
             x = F.rms_norm(x, (x.shape[-1],), getattr(self, self._NORM_OF[name]).weight, self.cfg.eps)
         if name == "kv":
@@ -221,24 +221,22 @@ def build_chain_mask(
     return mask
 
 
-def go_on(alpha: torch.Tensor, threshold: float | torch.Tensor, rule: str = "mean") -> torch.Tensor:
-    """Pacer's test on one block: alpha [B, b], threshold (a float, or [B]) -> go on drafting [B] bool.
+def go_on(alpha: torch.Tensor, threshold: float, rule: str = "mean") -> torch.Tensor:
+    """Pacer's test on one block: alpha [B, b], threshold t (the same for every row) -> go on [B] bool.
 
     mean: mean(alpha) > t (the paper's choice); any: every alpha >= t; last:
     the block's last alpha >= t. A NaN among the alphas a rule reads means stop.
     """
-    if isinstance(threshold, torch.Tensor):
-        threshold = threshold.unsqueeze(-1)  # [B, 1]
     if rule == "mean":
-        return alpha.mean(-1, keepdim=True).gt(threshold).squeeze(-1)  # comparisons with NaN are False
+        return alpha.mean(-1) > threshold  # comparisons with NaN are False
     if rule == "any":
         return (alpha >= threshold).all(-1)
     if rule == "last":
-        return alpha[:, -1:].ge(threshold).squeeze(-1)
+        return alpha[:, -1] >= threshold
     raise ValueError(f"halting rule must be one of {HALTING}, got {rule!r}")
 
 
-def halt(alpha: torch.Tensor, threshold: float | torch.Tensor, rule: str = "mean") -> torch.Tensor:
+def halt(alpha: torch.Tensor, threshold: float, rule: str = "mean") -> torch.Tensor:
     """Pacer's halting test: stop [B] bool, the negation of `go_on` (mean(alpha) <= t, some alpha < t,
     last alpha < t; NaN stops)."""
     return ~go_on(alpha, threshold, rule)
