@@ -39,13 +39,13 @@ AB_ENGINES: dict[str, tuple[int | None, dict | None]] = {
 }
 
 
-def _workload():
-    """What every engine serves: 32 held-out code prompts x 64 tokens, greedy, ignore_eos."""
+def _workload(n_prompts: int = 32, family: str = "code_heldout"):
+    """What every engine serves: n held-out prompts x 64 tokens, greedy, ignore_eos."""
     from vllm import SamplingParams
 
     from benchmarks.paths import load_prompts
 
-    return load_prompts("code_heldout", 32), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    return load_prompts(family, n_prompts), SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
 
 def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
@@ -69,17 +69,26 @@ def profile(method: str, k: int, batch: int, plugin: bool) -> dict:
     return {"wall_s": round(wall, 3), "steps": calls, "propose_ms_per_step": round(1e3 * cum / max(calls, 1), 3)}
 
 
-def ab(method: str, k: int, batch: int, repeats: int) -> dict:
-    """The engines of AB_ENGINES side by side in this process (see the module doc)."""
+def ab(
+    method: str,
+    k: int,
+    batch: int,
+    repeats: int,
+    configs: dict[str, tuple[int | None, dict | None]] = AB_ENGINES,
+    n_prompts: int = 32,
+    family: str = "code_heldout",
+) -> dict:
+    """The engines of `configs` (AB_ENGINES) side by side in this process (see the module doc)."""
     from benchmarks import vllm_run
 
-    prompts, params = _workload()
-    engines = {}
-    for name, (cap, adaptive) in AB_ENGINES.items():
+    prompts, params = _workload(n_prompts, family)
+    engines, plugin = {}, {}
+    for name, (cap, adaptive) in configs.items():
         if cap == 0:  # at --k
             name, cap = name.replace("K", f"K={k}"), k
         if name not in engines:  # (--k 2: one vLLM K=2)
             engines[name] = vllm_run.make_llm(cap, adaptive, method=method, max_num_seqs=batch)
+            plugin[name] = adaptive is not None
             engines[name].generate(prompts[:8], params, use_tqdm=False)  # warm-up
     names = list(engines)
     seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -90,21 +99,43 @@ def ab(method: str, k: int, batch: int, repeats: int) -> dict:
             outs = engines[name].generate(prompts, params, use_tqdm=False)
             seconds[name].append(time.perf_counter() - start)
             tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+    loops = {n: _loop_stats(engines[n]) for n in names if plugin[n]}
     for llm in engines.values():
         vllm_run.close_llm(llm)
     base = seconds[names[0]]
     return {
-        "settings": {"method": method, "k": k, "batch": batch, "repeats": repeats, "prompts": 32, "max_tokens": 64},
+        "settings": {
+            "method": method,
+            "k": k,
+            "batch": batch,
+            "repeats": repeats,
+            "prompts": f"{n_prompts} {family}",
+            "max_tokens": 64,
+        },
         "engines": {
             n: {
                 "median_s": statistics.median(seconds[n]),
                 "speed_vs_first": statistics.median(b / s for b, s in zip(base, seconds[n])),
                 "per_repeat": [round(b / s, 4) for b, s in zip(base, seconds[n])],
                 "same_tokens_as_first": tokens[n] == tokens[names[0]],
+                **({"loop": loops[n]} if n in loops else {}),
             }
             for n in names
         },
     }
+
+
+def _loop_stats(llm) -> dict:
+    """A plugin engine's draft forwards and the row computations compact_drafts left out (whole life)."""
+    from vllm_adaptive_spec.integration.runtime import get_stats
+
+    stats = get_stats(llm)[0]
+    forwards = sum(int(f) * n for f, n in stats["forwards_per_step"].items())
+    out = {"draft_forwards": forwards, "rows_saved": stats.get("rows_saved", 0)}
+    timing = stats.get("timing")  # with time_policy: the draft side's own clock
+    if timing and timing["rounds"]:
+        out["draft_ms_per_round"] = round(1e3 * timing["propose_s"] / timing["rounds"], 4)
+    return out
 
 
 def main() -> None:

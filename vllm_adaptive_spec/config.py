@@ -20,7 +20,16 @@ from vllm_adaptive_spec.policies.costs import load_costs
 CONFIG_KEY = "adaptive_spec"
 POLICIES = tuple(POLICY_CLASSES)
 # the plugin's own fields; the rest are the policy's
-PLUGIN_FIELDS = ("policy", "time_policy", "batch_aware", "costs", "prepare_ahead", "grammar_stop", "grammar_mask")
+PLUGIN_FIELDS = (
+    "policy",
+    "time_policy",
+    "batch_aware",
+    "costs",
+    "prepare_ahead",
+    "compact_drafts",
+    "grammar_stop",
+    "grammar_mask",
+)
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
 __all__ = ["CONFIG_KEY", "AdaptiveSpecConfig", "ConfigError", "parse_additional_config"]
@@ -35,6 +44,9 @@ class AdaptiveSpecConfig:
     costs: str | None = None  # cost-curve file (policies/costs.py); None: the bundled curves; "online": measured
     # the loop prepares draft step t+1's inputs before it waits for step t's decisions; None: on CUDA only
     prepare_ahead: bool | None = None
+    # once the rows still drafting are at most half of a batch, later draft forwards compute them only;
+    # None: on CPU only
+    compact_drafts: bool | None = None
     # under structured outputs a row stops drafting at its first draft token the grammar refuses
     # (integration/grammar.py); default on for adaptive policies
     grammar_stop: bool = False
@@ -63,14 +75,9 @@ class AdaptiveSpecConfig:
                 f"{CONFIG_KEY}.time_policy: true does not combine with policy 'pearl' "
                 "(it has no stopping rule to time; its per-step timeline is in the statistics)"
             )
-        prepare_ahead = raw.get("prepare_ahead")
-        if prepare_ahead is not None and not isinstance(prepare_ahead, bool):
-            raise ConfigError(f"{CONFIG_KEY}.prepare_ahead: expected true or false, got {prepare_ahead!r}")
-        if prepare_ahead and policy == "pearl":
-            raise ConfigError(
-                f"{CONFIG_KEY}.prepare_ahead: true does not combine with policy 'pearl' (its draft runs in a worker of "
-                "its own, not in the step loop)"
-            )
+        # the step loop's options (None: the device decides); pearl's draft runs in a worker, not in that loop
+        prepare_ahead = _loop_option(raw, "prepare_ahead", policy, "its draft runs in a worker of its own")
+        compact_drafts = _loop_option(raw, "compact_drafts", policy, "it serves one request at a time, in a worker")
         grammar_stop = raw.get("grammar_stop", policy not in BASELINES)
         if not isinstance(grammar_stop, bool):
             raise ConfigError(f"{CONFIG_KEY}.grammar_stop: expected true or false, got {grammar_stop!r}")
@@ -122,6 +129,7 @@ class AdaptiveSpecConfig:
             batch_aware=batch_aware,
             costs=costs,
             prepare_ahead=prepare_ahead,
+            compact_drafts=compact_drafts,
             grammar_stop=grammar_stop,
             grammar_mask=grammar_mask,
         )
@@ -144,6 +152,18 @@ class AdaptiveSpecConfig:
     @property
     def is_fixed(self) -> bool:
         return self.policy == "fixed"
+
+
+def _loop_option(raw: Mapping, key: str, policy: str, pearl_why: str) -> bool | None:
+    """A plugin field that is true, false or absent (None: the device decides); true is refused with pearl."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{CONFIG_KEY}.{key}: expected true or false, got {value!r}")
+    if value and policy == "pearl":
+        raise ConfigError(
+            f"{CONFIG_KEY}.{key}: true does not combine with policy 'pearl' ({pearl_why}, not in the step loop)"
+        )
+    return value
 
 
 def parse_additional_config(additional_config: Any) -> AdaptiveSpecConfig | None:

@@ -21,6 +21,7 @@ class StatsBook:
     n_finished: int = 0
     forwards_per_step: Counter = field(default_factory=Counter)  # draft forward passes -> engine steps
     drafted_len_hist: Counter = field(default_factory=Counter)  # proposed draft length -> rounds
+    rows_saved: int = 0  # compact_drafts: row computations draft forwards left out (rows that had stopped)
     clock: Clock | None = None  # set with adaptive_spec.time_policy
 
     def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
@@ -30,10 +31,17 @@ class StatsBook:
                 self._counts(req_id).record_step(drafted=n_d, accepted=n_g - 1)
 
     def record_proposal(
-        self, lengths: list[int], forwards: int, req_ids: list[str] | None = None, drawn: list[int] | None = None
+        self,
+        lengths: list[int],
+        forwards: int,
+        req_ids: list[str] | None = None,
+        drawn: list[int] | None = None,
+        rows_saved: int | None = None,
     ) -> None:
-        """One round: per request, drafts proposed (`lengths`) and drafts computed (`drawn`, dropped ones too)."""
+        """One round: per request, drafts proposed (`lengths`) and drafts computed (`drawn`, dropped ones
+        too); rows_saved: row computations its draft forwards left out (compact_drafts)."""
         self.forwards_per_step[forwards] += 1
+        self.rows_saved += rows_saved or 0
         self.drafted_len_hist.update(lengths)
         for req_id, n in zip(req_ids or [], drawn or []):
             if n > 0:
@@ -66,5 +74,6 @@ class StatsBook:
             "n_finished": self.n_finished,
             "forwards_per_step": dict(sorted(self.forwards_per_step.items())),
             "drafted_len_hist": dict(sorted(self.drafted_len_hist.items())),
+            "rows_saved": self.rows_saved,
             **({"timing": self.clock.as_dict()} if self.clock is not None else {}),
         }

@@ -42,6 +42,10 @@ PREPARED_AHEAD = {
     ("dflash", "svip"),
     ("dflash", "adaedl"),
 }
+# cases whose draft forwards always compute the whole batch (adaptive_spec.compact_drafts false); the
+# others, except the block drafter's, compute only the rows still drafting once they are at most half of
+# it (the CPU's default), prepared ahead or not, with the gate and without (fixed, vllm_av)
+WHOLE_BATCH = {("draft_model", "adaedl"), ("eagle3", "confidence")}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{p}" for m, p in CASES])
@@ -49,6 +53,7 @@ def policy_llm(request):
     method, policy = request.param
     adaptive = {"policy": policy, "time_policy": True} | ({"costs": "online"} if request.param == ONLINE_COSTS else {})
     adaptive |= {"prepare_ahead": True} if request.param in PREPARED_AHEAD else {}
+    adaptive |= {"compact_drafts": False} if request.param in WHOLE_BATCH else {}
     llm = make_llm(speculative_config=vllm_run.spec_config(CAP, method), additional_config={"adaptive_spec": adaptive})
     yield request.param, llm
     close_llm(llm)
@@ -81,6 +86,9 @@ def test_statistics_and_draft_lengths(policy_llm):
     work = snap["workload"]
     assert snap["policy"] == policy
     assert snap["prepare_ahead"] == ((method, policy) in PREPARED_AHEAD)  # on CPU only where asked for
+    assert snap["compact_drafts"] == ((method, policy) not in WHOLE_BATCH and method != "dflash")
+    if not snap["compact_drafts"]:
+        assert snap["rows_saved"] == 0
     assert work["n_target"] > 0 and work["n_gen"] > work["n_target"]
     assert 0 < work["n_accepted"] <= work["n_draft"]
     lengths = snap["drafted_len_hist"]

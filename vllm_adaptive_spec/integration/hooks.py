@@ -104,6 +104,11 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
             f"adaptive_spec.batch_aware: true does not combine with speculative_config.method={method!r} "
             "(the block is drafted in one forward, so there is no next draft step to weigh)",
         )
+        if cfg.compact_drafts:
+            raise ConfigError(
+                f"adaptive_spec.compact_drafts: true does not combine with speculative_config.method={method!r} "
+                "(the block is drafted in one forward, so there is no later draft forward to compact)"
+            )
         why = f"speculative_config.method={method!r} drafts its block in one forward: no draft step to save"
     elif parser := getattr(getattr(vllm_config, "structured_outputs_config", None), "reasoning_parser", None):
         why = f"with a reasoning parser ({parser!r}) the grammar starts where reasoning ends"

@@ -48,7 +48,7 @@ class PearlProposer(AdaptiveDraftModelProposer):
 
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any, cfg: Any):
         super().__init__(vllm_config, device, runner, cfg)
-        self.prepare_ahead = False  # its draft runs on the worker, not in the step loop
+        self.prepare_ahead = self.compact_drafts = False  # its draft runs on the worker, not in the step loop
         spec = vllm_config.speculative_config
         self.max_len = vllm_config.model_config.max_model_len
         dtype = spec.draft_model_config.dtype

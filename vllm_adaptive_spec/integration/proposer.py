@@ -19,7 +19,11 @@ cache, attention metadata and sampling all go through the vLLM helpers the
 base proposer uses; only the loop and its stopping are ours.
 
 Rows that stopped stay in the batch until the loop ends (their extra tokens
-are computed and dropped), so the batch shape never changes mid-round.
+are computed and dropped), unless `compact_drafts` is on: then, once the rows
+still drafting are at most half of those a forward computed, the next forwards
+run on those rows only (`_Rows`: the attention metadata, positions, tokens and
+carried state cut to them); their outputs are written back into full-batch
+tensors, so the policy, the gate and the bookkeeping see the batch as before.
 
 A parallel drafter (DFlash) drafts its whole block in the first pass: step t
 reads the block's position t instead of running a forward, and the same
@@ -47,7 +51,7 @@ from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
 from vllm_adaptive_spec.integration.grammar import GrammarStops
 from vllm_adaptive_spec.policies import StopPolicy
 from vllm_adaptive_spec.policies.batch_gate import draft_top
-from vllm_adaptive_spec.policies.step import decisions_to_host, policy_logprobs
+from vllm_adaptive_spec.policies.step import decisions_to_host, policy_logprobs, rows_to_compute
 from vllm_adaptive_spec.policies.timing import Clock, TimedPolicy
 from vllm_adaptive_spec.stats import StatsBook
 
@@ -86,6 +90,13 @@ class AdaptiveDraftLoop:
         # asynchronous device that host work overlaps step t's kernels; on CPU it only adds a wasted
         # preparation to every round that a stop ends, so by default only on CUDA.
         self.prepare_ahead = device.type == "cuda" if cfg.prepare_ahead is None else cfg.prepare_ahead
+        # Later draft forwards run on the rows still drafting once they are at most half of the batch. On
+        # CPU it cut the draft side by up to a quarter where a per-request rule left rows idle (draft models
+        # at 32 rows; within noise on the toy EAGLE-3 head: benchmarks/results/compact_ab_*); on an H100 at
+        # 8B sizes a draft forward costs about the same at any row count (0.60 to 0.70 ms), so CPU only.
+        # (A block drafter drafts in one forward: nothing to compact; hooks refuse an explicit true.)
+        compact = device.type != "cuda" if cfg.compact_drafts is None else cfg.compact_drafts
+        self.compact_drafts = compact and not self.parallel_drafting
         if cfg.time_policy:
             self.stats.clock = Clock()
             self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
@@ -274,11 +285,12 @@ class AdaptiveDraftLoop:
         greedy_draws = sampling_metadata.all_greedy or not self._enable_probabilistic_draft_probs
         if gate is not None:
             with self._timed():
-                gate.start_round(req_ids, cap)
+                gate.start_round(req_ids, cap, compact=self.compact_drafts)
         tokens_per_step: list[torch.Tensor] = []  # each [B]
         probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
 
         launch = (mode, num_input, across_dp)  # how draft forwards run (decode shape from step 1 on)
+        rows = _Rows(batch, hidden.device) if self.compact_drafts and block is None else None
         ready = None  # the next step's inputs when they were prepared ahead
         # A block drafter's steps run no forward, so nothing waits on the decisions but the loop's exit:
         # with prepare_ahead the policy decides every position first and the host reads them once.
@@ -295,16 +307,23 @@ class AdaptiveDraftLoop:
                 if not any(active):
                     break
                 if ready is None:
-                    positions, launch, ready = self._draft_step_inputs(
-                        t, tokens_per_step[-1], carried, positions, cad, launch, num_rejected_tokens_gpu
+                    positions, cad, launch, ready = self._draft_step_inputs(
+                        t, tokens_per_step[-1], carried, positions, cad, launch, num_rejected_tokens_gpu, rows, active
                     )
                 (mode, num_input, across_dp), (per_layer_md, model_inputs), ready = launch, ready, None
                 hidden, carried = self._forward(
                     per_layer_md, num_input, mode, across_dp, self._get_slot_mapping(num_input), **model_inputs
                 )
-                hidden, carried = hidden[:batch], carried[:batch]
+                n = batch if rows is None else rows.n  # the rows this forward computed
+                hidden, carried = hidden[:n], carried[:n]
                 forwards += 1
-            logits = self.model.compute_logits(hidden)  # [B, V]
+            if rows is not None and rows.index is not None:  # [n] rows computed -> the whole batch
+                logits = rows.expand("logits", self.model.compute_logits(hidden))  # [B, V]
+                one_state = carried.data_ptr() == hidden.data_ptr()  # a draft model carries what it returns
+                hidden = rows.expand("hidden", hidden)  # [B, hidden]
+                carried = hidden if one_state else rows.expand("carried", carried)  # [B, hidden]
+            else:
+                logits = self.model.compute_logits(hidden)  # [B, V]
             masking = grammar is not None and grammar.masks  # structured rows draw only what their grammar allows
             # A greedy draw on CPU masks only the rows whose argmax the grammar refuses; a sampled draw reads
             # the whole masked distribution, and on a GPU reading the argmax first would add a host sync.
@@ -335,8 +354,8 @@ class AdaptiveDraftLoop:
                 deferred.append((decision.keep, decision.stop))
                 continue
             if self.prepare_ahead and block is None and any(a and n > t + 1 for a, n in zip(active, limits)):
-                positions, launch, ready = self._draft_step_inputs(
-                    t + 1, tokens, carried, positions, cad, launch, num_rejected_tokens_gpu
+                positions, cad, launch, ready = self._draft_step_inputs(
+                    t + 1, tokens, carried, positions, cad, launch, num_rejected_tokens_gpu, rows, active
                 )
             keeps, stops, tops, toks = decisions_to_host(
                 decision.keep, decision.stop, top, None if grammar is None else tokens
@@ -372,7 +391,7 @@ class AdaptiveDraftLoop:
         if probs_per_step:
             self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
         drafts = torch.stack(tokens_per_step, dim=1).tolist()  # [B, T]; one host copy per round
-        self.stats.record_proposal(lengths, forwards, req_ids, drawn)
+        self.stats.record_proposal(lengths, forwards, req_ids, drawn, None if rows is None else rows.saved)
         self._meter_round(req_ids, steps_start, forwards)
         return [row[:n] for row, n in zip(drafts, lengths)]
 
@@ -431,29 +450,50 @@ class AdaptiveDraftLoop:
         lengths = [qsl[i + 1] - qsl[i] - num_rejected[i] for i in range(batch)]
         self.policy.observe_context(req_ids, hidden, qsl[:-1], lengths, positions)
 
-    def _draft_step_inputs(self, t: int, tokens: torch.Tensor, carried: torch.Tensor, positions, cad, launch, rejected):
+    def _draft_step_inputs(
+        self,
+        t: int,
+        tokens: torch.Tensor,
+        carried: torch.Tensor,
+        positions,
+        cad,
+        launch,
+        rejected,
+        rows: _Rows | None = None,
+        active: list[bool] | None = None,
+    ):
         """Inputs of draft step t >= 1 from step t-1's tokens [B] and carried state [B, hidden]: positions,
         slot mapping and attention metadata one further, the tokens and state into the drafter's buffers.
         None of it depends on step t-1's decisions (rows that stopped stay in the batch), so the loop may
         run it before it waits for them (prepare_ahead); a round that then ends has prepared one step in
         vain, which only moves the drafter's buffers and this round's metadata (vLLM's loop advances
-        them K-1 times, whatever K). Returns (positions, launch, (attention metadata, model inputs))."""
+        them K-1 times, whatever K). With `rows` (compact_drafts) the step computes only the rows still
+        drafting by `active` once they are at most half of the last step's (the rows known to have
+        stopped when this runs: with prepare_ahead, before step t-1's decisions).
+        Returns (positions, attention metadata, launch, (per-layer attention metadata, model inputs))."""
         batch = tokens.shape[0]
         if t == 1:
             launch = self._enter_decode(cad, batch, rejected)
+        if rows is not None and active is not None:
+            keep = rows.shrink(active)  # [n] rows of the last forward still drafting, or None
+            if keep is not None:
+                cad = _compact_metadata(cad, keep, self.arange, self.token_arange_np)
+                positions = positions[keep]
+                launch = self._determine_batch_execution_and_padding(len(keep))
+        n = batch if rows is None else rows.n
         num_input = launch[1]
-        positions = self._update_positions_dependent_metadata(positions, cad, batch, num_input, self.block_size)
+        positions = self._update_positions_dependent_metadata(positions, cad, n, num_input, self.block_size)
         _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad, draft_index=t)
-        self.input_ids[:batch] = tokens.int()
+        self.input_ids[:n] = tokens.int() if rows is None else rows.gather(tokens).int()
         model_inputs = {
             "input_ids": self.input_ids[:num_input],
             "positions": self._get_positions(num_input),
             "inputs_embeds": None,
         }
         if self.pass_hidden_states_to_model:  # EAGLE: the head reads its own last state
-            self.hidden_states[:batch] = carried
+            self.hidden_states[:n] = carried if rows is None else rows.gather(carried)
             model_inputs["hidden_states"] = self.hidden_states[:num_input]
-        return positions, launch, (per_layer_md, model_inputs)
+        return positions, cad, launch, (per_layer_md, model_inputs)
 
     def _enter_decode(self, cad: Any, batch: int, num_rejected_tokens_gpu: torch.Tensor | None):
         """Switch the attention metadata from the first pass to one token per row."""
@@ -465,6 +505,90 @@ class AdaptiveDraftLoop:
             # Padded batch: the first pass also covered rejected slots; drop them.
             cad.seq_lens -= num_rejected_tokens_gpu
         return self._determine_batch_execution_and_padding(batch)
+
+
+class _Rows:
+    """compact_drafts: the rows a round's draft forwards compute. Once the rows still drafting are at most
+    half of those the last forward computed (`rows_to_compute`), the next forwards run on them only; what
+    a forward returns for its rows is written into full-batch tensors (rows that stopped keep their last
+    values there, which nothing reads), so the logits, the policy and the bookkeeping see the batch."""
+
+    def __init__(self, batch: int, device: torch.device):
+        self.batch, self.device = batch, device
+        self.rows: list[int] = list(range(batch))  # batch rows the forwards compute, in their order
+        self.index: torch.Tensor | None = None  # [n] the same on the device; None while all rows run
+        self.saved = 0  # row computations the round left out (statistics)
+        self._full: dict[str, torch.Tensor] = {}  # kind -> [B, ...], once the batch has shrunk
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def shrink(self, active: list[bool]) -> torch.Tensor | None:
+        """Before a forward: keep the rows still drafting if `rows_to_compute` says so. Returns their
+        places among the rows the last forward computed ([n] on the device; what the metadata, the
+        positions and the carried state are cut with), or None when the batch stays as it is."""
+        keep = [i for i, r in enumerate(self.rows) if active[r]]
+        if rows_to_compute(self.n, len(keep)) == self.n:
+            self.saved += self.batch - self.n
+            return None
+        self.rows = [self.rows[i] for i in keep]
+        self.index = torch.tensor(self.rows, device=self.device)
+        self.saved += self.batch - self.n
+        return torch.tensor(keep, device=self.device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, ...] -> [n, ...]: the rows the forward computes."""
+        return x if self.index is None else x[self.index]
+
+    def expand(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] a forward's rows -> [B, ...] (one buffer per kind, written in place each step)."""
+        full = self._full.get(kind)
+        if full is None:
+            full = self._full[kind] = torch.zeros((self.batch, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return full.index_copy_(0, self.index, x)
+
+
+# CommonAttentionMetadata's optional per-row fields that a compacted decode step cuts like seq_lens (none of
+# them is set for the drafters the plugin serves today; each one that is set is cut, never left whole)
+_PER_ROW_OPTIONAL = (
+    "seq_lens_cpu_upper_bound",
+    "dcp_local_seq_lens",
+    "dcp_local_seq_lens_cpu_upper_bound",
+    "is_prefilling",
+    "rswa_prefix_lens",
+    "replayssm_decode_base_cpu",
+    "encoder_seq_lens",
+    "encoder_seq_lens_cpu",
+    "req_idx",
+)
+
+
+def _compact_metadata(cad: Any, keep: torch.Tensor, arange: torch.Tensor, arange_np: Any) -> Any:
+    """Decode-step attention metadata (one token per row) cut to the rows `keep` [n] of `cad`'s rows."""
+    n = keep.shape[0]
+    keep_cpu = keep.cpu()
+    fields: dict[str, Any] = {
+        "query_start_loc": arange[: n + 1],
+        "query_start_loc_cpu": torch.from_numpy(arange_np[: n + 1]).clone(),
+        "seq_lens": cad.seq_lens[keep],
+        "num_reqs": n,
+        "num_actual_tokens": n,
+        "block_table_tensor": cad.block_table_tensor[keep],
+        "slot_mapping": cad.slot_mapping[keep],
+        "positions": None if cad.positions is None else cad.positions[keep],
+        "_num_computed_tokens_cache": None,
+        "_token_to_req_indices_cache": None,
+    }
+    if isinstance(cad.causal, torch.Tensor) and cad.causal.dim() > 0:
+        fields["causal"] = cad.causal[keep]
+    for name in _PER_ROW_OPTIONAL:
+        value = getattr(cad, name, None)
+        if isinstance(value, torch.Tensor):
+            fields[name] = value[keep if value.device == keep.device else keep_cpu]
+        elif value is not None:  # a numpy array (req_idx)
+            fields[name] = value[keep_cpu.numpy()]
+    return cad.replace(**fields)
 
 
 def _account(

@@ -60,7 +60,12 @@ def worker_stats(runner: Any = None) -> list[dict]:
     """Snapshots of the adaptive proposers of one model runner (None: every one in this process)."""
     return [
         p.stats.snapshot()
-        | {"policy": p.policy.name, "tracked": p.policy.num_tracked(), "prepare_ahead": p.prepare_ahead}
+        | {
+            "policy": p.policy.name,
+            "tracked": p.policy.num_tracked(),
+            "prepare_ahead": p.prepare_ahead,
+            "compact_drafts": p.compact_drafts,
+        }
         | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
         | (
             {

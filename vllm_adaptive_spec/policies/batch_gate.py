@@ -14,6 +14,9 @@ round's expected output per unit of time:
     dC = D(n) + V(tokens + rows still drafting) - V(tokens)
     draft step t + 1 only if dG / dC > G / C
 
+With `compact_drafts` a draft step costs D of the rows it computes
+(`step.rows_to_compute`), in C and in dC alike.
+
 s_i is the running product of the acceptance estimates of `acceptance.py`
 (read off the draft distributions, fitted online from what the target
 accepted); p_i(t + 1) is estimated from row i's last distribution with the
@@ -55,6 +58,7 @@ import torch
 
 from vllm_adaptive_spec.policies.acceptance import OnlineAcceptanceEstimator, log_odds
 from vllm_adaptive_spec.policies.costs import CostMeter, StepCosts
+from vllm_adaptive_spec.policies.step import rows_to_compute
 
 HOLD_ROUNDS = 8  # a one-step verdict covers this round and the next 7 (of at least as many rows)
 HOLD_MIN_ROWS = 4  # smaller rounds never hold
@@ -87,7 +91,9 @@ class BatchGate:
         self._graded: dict[str, tuple[list[float], list[float]]] = {}  # last round's, until verified
         self._surv: list[float] = []  # per row: survival of its kept drafts
         self._gain = 0.0  # expected tokens of the round so far
-        self._draft_ms = 0.0
+        self._compact = False  # the loop compacts its draft batch (compact_drafts)
+        self._computed = 0  # rows the last draft step computed
+        self._draft_spent = 0.0  # the round's draft steps so far (ms)
         self._verify: list[float] = []  # pass cost per token count, 0..n (cap + 1)
         self._hold, self._hold_rows = 0, 0  # one-step rounds left, and the batch size they hold for
         self.held_rounds = 0  # rounds drafted as one step without the gate (statistics)
@@ -102,14 +108,16 @@ class BatchGate:
         self._hold = 0
         return False
 
-    def start_round(self, req_ids: list[str], cap: int) -> None:
+    def start_round(self, req_ids: list[str], cap: int, compact: bool = False) -> None:
+        """compact: the loop's later draft forwards compute only the rows still drafting, once they are
+        at most half of the last forward's (`rows_to_compute`)."""
         n = len(req_ids)
         if self.estimator is None or self.estimator.k < cap + 1:  # + 1: it looks one position ahead
             self.estimator = OnlineAcceptanceEstimator(cap + 1)
         self._req_ids = list(req_ids)
         self._features, self._preds = [[] for _ in range(n)], [[] for _ in range(n)]
         self._surv, self._gain = [1.0] * n, float(n)
-        self._draft_ms = self.costs.draft(n)
+        self._compact, self._computed, self._draft_spent = compact, n, 0.0
         self._verify = self.costs.verify_list(n * (cap + 1))
 
     def after_step(self, top: list[float], kept: list[bool], drafting: list[bool], lengths: list[int], t: int) -> bool:
@@ -129,14 +137,19 @@ class BatchGate:
                 self._gain += surv[i]
             if drafting[i] and not last:
                 d_gain += surv[i] * est.acceptance(f, t + 1)  # estimated acceptance of y_{t+1}
+        self._draft_spent += self.costs.draft(self._computed)  # step t
         if last:
             return False
         top_index = len(self._verify) - 1
+        still = sum(drafting)
         tokens = min(len(lengths) + sum(lengths), top_index)
-        more = min(tokens + sum(drafting), top_index)
-        cost = (t + 1) * self._draft_ms + self._verify[tokens]
-        d_cost = self._draft_ms + self._verify[more] - self._verify[tokens]
+        more = min(tokens + still, top_index)
+        computed = rows_to_compute(self._computed, still) if self._compact else self._computed  # by step t + 1
+        cost = self._draft_spent + self._verify[tokens]
+        d_cost = self.costs.draft(computed) + self._verify[more] - self._verify[tokens]
         pays = d_gain * cost > self._gain * d_cost
+        if pays:
+            self._computed = computed
         if t == 0 and not pays and any(drafting) and len(top) >= HOLD_MIN_ROWS:
             self._hold, self._hold_rows = HOLD_ROUNDS - 1, len(top)
         return pays
