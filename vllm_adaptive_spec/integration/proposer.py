@@ -475,10 +475,10 @@ class AdaptiveDraftLoop:
         if t == 1:
             launch = self._enter_decode(cad, batch, rejected)
         if rows is not None and active is not None:
-            keep = rows.shrink(active)  # [n] rows of the last forward still drafting, or None
+            keep = rows.shrink(active)  # n rows of the last forward still drafting, or None
             if keep is not None:
                 cad = _compact_metadata(cad, keep, self.arange, self.token_arange_np)
-                positions = positions[keep]
+                positions = positions[torch.tensor(keep, device=positions.device)]
                 launch = self._determine_batch_execution_and_padding(len(keep))
         n = batch if rows is None else rows.n
         num_input = launch[1]
@@ -524,18 +524,19 @@ class _Rows:
     def n(self) -> int:
         return len(self.rows)
 
-    def shrink(self, active: list[bool]) -> torch.Tensor | None:
+    def shrink(self, active: list[bool]) -> list[int] | None:
         """Before a forward: keep the rows still drafting if `rows_to_compute` says so. Returns their
-        places among the rows the last forward computed ([n] on the device; what the metadata, the
-        positions and the carried state are cut with), or None when the batch stays as it is."""
+        places among the rows the last forward computed (what the metadata, the positions and the
+        carried state are cut with), or None when the batch stays as it is. On CUDA a cut copies the
+        row indices to the device (a host sync; a few per round at most)."""
         keep = [i for i, r in enumerate(self.rows) if active[r]]
-        if rows_to_compute(self.n, len(keep)) == self.n:
-            self.saved += self.batch - self.n
-            return None
-        self.rows = [self.rows[i] for i in keep]
-        self.index = torch.tensor(self.rows, device=self.device)
+        if rows_to_compute(self.n, len(keep)) < self.n:
+            self.rows = [self.rows[i] for i in keep]
+            self.index = torch.tensor(self.rows, device=self.device)
+        else:
+            keep = None
         self.saved += self.batch - self.n
-        return torch.tensor(keep, device=self.device)
+        return keep
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[B, ...] -> [n, ...]: the rows the forward computes."""
@@ -564,10 +565,10 @@ _PER_ROW_OPTIONAL = (
 )
 
 
-def _compact_metadata(cad: Any, keep: torch.Tensor, arange: torch.Tensor, arange_np: Any) -> Any:
-    """Decode-step attention metadata (one token per row) cut to the rows `keep` [n] of `cad`'s rows."""
-    n = keep.shape[0]
-    keep_cpu = keep.cpu()
+def _compact_metadata(cad: Any, rows: list[int], arange: torch.Tensor, arange_np: Any) -> Any:
+    """Decode-step attention metadata (one token per row) cut to the n `rows` of `cad`'s rows."""
+    n = len(rows)
+    keep_cpu, keep = torch.tensor(rows), torch.tensor(rows, device=cad.seq_lens.device)  # [n] each
     fields: dict[str, Any] = {
         "query_start_loc": arange[: n + 1],
         "query_start_loc_cpu": torch.from_numpy(arange_np[: n + 1]).clone(),
