@@ -290,7 +290,8 @@ class AdaptiveDraftLoop:
         probs_per_step: list[torch.Tensor] = []  # each [B, V], for probabilistic draft sampling
 
         launch = (mode, num_input, across_dp)  # how draft forwards run (decode shape from step 1 on)
-        rows = _Rows(batch, hidden.device) if self.compact_drafts and block is None else None
+        # (one row never shrinks: the loop ends when it stops)
+        rows = _Rows(batch, hidden.device) if self.compact_drafts and block is None and batch > 1 else None
         ready = None  # the next step's inputs when they were prepared ahead
         # A block drafter's steps run no forward, so nothing waits on the decisions but the loop's exit:
         # with prepare_ahead the policy decides every position first and the host reads them once.
