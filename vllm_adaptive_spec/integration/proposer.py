@@ -393,7 +393,8 @@ class AdaptiveDraftLoop:
             self._last_draft_probs = torch.stack(probs_per_step, dim=1).contiguous()  # [B, T, V]
         drafts = torch.stack(tokens_per_step, dim=1).tolist()  # [B, T]; one host copy per round
         self.stats.record_proposal(lengths, forwards, req_ids, drawn, None if rows is None else rows.saved)
-        self._meter_round(req_ids, steps_start, forwards)
+        # (a round whose later forwards computed fewer rows says nothing about a step of the whole batch)
+        self._meter_round(req_ids, steps_start if rows is None or rows.index is None else None, forwards)
         return [row[:n] for row, n in zip(drafts, lengths)]
 
     def _agree(self, active: list[bool], lengths: list[int], device: torch.device) -> tuple[list[bool], list[int]]:
