@@ -58,13 +58,14 @@ def test_rows_cut_the_forward_and_write_back_into_the_batch():
     rows = _Rows(4, torch.device("cpu"))
     assert rows.shrink([True, True, True, False]) is None and rows.n == 4  # 3 of 4: stays whole
     keep = rows.shrink([True, False, True, False])
-    assert keep == [0, 2] and rows.rows == [0, 2] and rows.saved == 2
+    assert [k.tolist() for k in keep] == [[0, 2]] * 2 and rows.rows == [0, 2] and rows.saved == 2
     tokens = torch.tensor([10, 11, 12, 13])
     assert rows.gather(tokens).tolist() == [10, 12]
     out = rows.expand("logits", torch.tensor([[1.0], [3.0]]))
     assert out.tolist() == [[1.0], [0.0], [3.0], [0.0]]
     keep = rows.shrink([False, False, True, False])  # places among the 2 rows computed last
-    assert keep == [1] and rows.rows == [2] and rows.saved == 2 + 3
+    assert [k.tolist() for k in keep] == [[1]] * 2 and rows.rows == [2] and rows.saved == 2 + 3
+    assert rows.index.tolist() == [2]
     out = rows.expand("logits", torch.tensor([[5.0]]))
     assert out.tolist() == [[1.0], [0.0], [5.0], [0.0]]  # row 0 keeps its last values, read by nothing
 
@@ -88,7 +89,8 @@ def test_decode_metadata_cut_to_the_rows_still_drafting():
         seq_lens_cpu_upper_bound=torch.tensor([7, 8, 9, 10]),
         req_idx=np.array([5, 6, 7, 8]),
     )
-    cut = _compact_metadata(cad, [1, 3], arange, np.arange(8, dtype=np.int32))
+    keep = torch.tensor([1, 3])
+    cut = _compact_metadata(cad, keep, keep, arange, np.arange(8, dtype=np.int32))
     assert (cut.num_reqs, cut.num_actual_tokens, cut.max_query_len, cut.max_seq_len) == (2, 2, 1, 10)
     assert cut.query_start_loc.tolist() == [0, 1, 2] and cut.query_start_loc_cpu.tolist() == [0, 1, 2]
     assert cut.seq_lens.tolist() == [8, 10] and cut.slot_mapping.tolist() == [81, 103]

@@ -320,9 +320,9 @@ class AdaptiveDraftLoop:
                 forwards += 1
             if rows is not None and rows.index is not None:  # [n] rows computed -> the whole batch
                 logits = rows.expand("logits", self.model.compute_logits(hidden))  # [B, V]
-                one_state = carried.data_ptr() == hidden.data_ptr()  # a draft model carries what it returns
                 hidden = rows.expand("hidden", hidden)  # [B, hidden]
-                carried = hidden if one_state else rows.expand("carried", carried)  # [B, hidden]
+                # a drafter without a separate state (a draft model) carries what it returns (_forward)
+                carried = rows.expand("carried", carried) if self.model_returns_tuple() else hidden  # [B, hidden]
             else:
                 logits = self.model.compute_logits(hidden)  # [B, V]
             masking = grammar is not None and grammar.masks  # structured rows draw only what their grammar allows
@@ -477,11 +477,11 @@ class AdaptiveDraftLoop:
         if t == 1:
             launch = self._enter_decode(cad, batch, rejected)
         if rows is not None and active is not None:
-            keep = rows.shrink(active)  # n rows of the last forward still drafting, or None
-            if keep is not None:
-                cad = _compact_metadata(cad, keep, self.arange, self.token_arange_np)
-                positions = positions[torch.tensor(keep, device=positions.device)]
-                launch = self._determine_batch_execution_and_padding(len(keep))
+            cut = rows.shrink(active)  # places of the last forward's rows still drafting, or None
+            if cut is not None:
+                cad = _compact_metadata(cad, *cut, self.arange, self.token_arange_np)
+                positions = positions[cut[0]]
+                launch = self._determine_batch_execution_and_padding(rows.n)
         n = batch if rows is None else rows.n
         num_input = launch[1]
         positions = self._update_positions_dependent_metadata(positions, cad, n, num_input, self.block_size)
@@ -526,19 +526,21 @@ class _Rows:
     def n(self) -> int:
         return len(self.rows)
 
-    def shrink(self, active: list[bool]) -> list[int] | None:
+    def shrink(self, active: list[bool]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Before a forward: keep the rows still drafting if `rows_to_compute` says so. Returns their
-        places among the rows the last forward computed (what the metadata, the positions and the
-        carried state are cut with), or None when the batch stays as it is. On CUDA a cut copies the
-        row indices to the device (a host sync; a few per round at most)."""
+        places among the rows the last forward computed, [n] on the device and on the host (what the
+        metadata, the positions and the carried state are cut with), or None when the batch stays as
+        it is. On CUDA a cut copies those places to the device once (a host sync; a few per round at
+        most); the batch rows follow from them on the device."""
         keep = [i for i, r in enumerate(self.rows) if active[r]]
+        cut = None
         if rows_to_compute(self.n, len(keep)) < self.n:
+            on_host = torch.tensor(keep)
+            cut = on_host.to(self.device), on_host
             self.rows = [self.rows[i] for i in keep]
-            self.index = torch.tensor(self.rows, device=self.device)
-        else:
-            keep = None
+            self.index = cut[0] if self.index is None else self.index[cut[0]]  # [n] batch rows
         self.saved += self.batch - self.n
-        return keep
+        return cut
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[B, ...] -> [n, ...]: the rows the forward computes."""
@@ -567,10 +569,12 @@ _PER_ROW_OPTIONAL = (
 )
 
 
-def _compact_metadata(cad: Any, rows: list[int], arange: torch.Tensor, arange_np: Any) -> Any:
-    """Decode-step attention metadata (one token per row) cut to the n `rows` of `cad`'s rows."""
-    n = len(rows)
-    keep_cpu, keep = torch.tensor(rows), torch.tensor(rows, device=cad.seq_lens.device)  # [n] each
+def _compact_metadata(
+    cad: Any, keep: torch.Tensor, keep_cpu: torch.Tensor, arange: torch.Tensor, arange_np: Any
+) -> Any:
+    """Decode-step attention metadata (one token per row) cut to the rows `keep` of `cad`'s rows ([n] on
+    cad's device; keep_cpu: the same on the host, for its CPU fields)."""
+    n = keep.shape[0]
     fields: dict[str, Any] = {
         "query_start_loc": arange[: n + 1],
         "query_start_loc_cpu": torch.from_numpy(arange_np[: n + 1]).clone(),
