@@ -37,9 +37,9 @@ def main() -> None:
         for name, by_cell in s.items():
             if cell in by_cell:
                 print(f"  {name:32s} {by_cell[cell][0]:.3f} (f = 0)  {by_cell[cell][1]:.3f} (f charged)")
-        fixed = max((v[cell][0], n) for n, v in s.items() if n.startswith("vLLM K=") and cell in v)
+        fixed = max(((v[cell][0], n) for n, v in s.items() if n.startswith("vLLM K=") and cell in v), default=None)
         plugin = {n: v[cell] for n, v in s.items() if not n.startswith(("vLLM", "vllm_av")) and cell in v}
-        if plugin:
+        if plugin and fixed:
             alone, charged = max((v[0], n) for n, v in plugin.items()), max((v[1], n) for n, v in plugin.items())
             print(
                 f"  best fixed K: {fixed[1]} {fixed[0]:.3f}; best adaptive {alone[1]} {alone[0] / fixed[0]:.3f}x"

@@ -183,6 +183,28 @@ def test_speedup_per_engine_step_charges_each_draft_forward_of_the_batch():
     assert any("S per engine step at c = 4" in line for line in report.best_of_kinds(list(rows.values())))
 
 
+def test_per_step_prints_the_rule_alone_and_with_its_time_charged(tmp_path, capsys, monkeypatch):
+    """benchmarks.per_step: S per engine step at c = 4 with f = 0 beside f charged, and per cell the best
+    adaptive row against the best fixed K."""
+    from benchmarks import per_step
+
+    timed = _cell("timed", 1)
+    plugin = _row(timed, 0.03, 5, n_draft=16, n_acc=11) | {
+        "draft_forwards_per_step": {"1": 3, "3": 2},  # 9 forwards over 5 steps
+        "policy_timing": {"policy_s": 0.01, "propose_s": 0.11, "decides": 9, "rounds": 5},  # f = 0.1
+    }
+    results = [*_results()[:2], {"config": _cfg("gate", "plugin", "gate", 16), "cells": [plugin]}]
+    (tmp_path / "raw").mkdir()
+    for i, res in enumerate(results):
+        (tmp_path / "raw" / f"{i}.json").write_text(json.dumps(res))
+    monkeypatch.setattr("sys.argv", ["per_step", str(tmp_path)])
+    per_step.main()
+    out = capsys.readouterr().out
+    k2, alone, charged = 16 / (8 + 2 * 8 / 4), 16 / (5 + 9 / 4), 16 / (5 + 9 * 1.1 / 4)
+    assert f"{alone:.3f} (f = 0)  {charged:.3f} (f charged)" in out
+    assert f"best fixed K: vLLM K=2 {k2:.3f}; best adaptive gate {alone / k2:.3f}x (f = 0)" in out
+
+
 def test_changes_section_compares_with_an_earlier_report():
     table = report.tabulate(_results())
     old = json.loads(json.dumps(table))
