@@ -4,7 +4,8 @@
 
 The report's "S per step (c=4)" column charges each plugin row its measured policy share f
 (`report.step_speedup`). Printed beside it, the same with f = 0: the rule's decisions alone, apart
-from what its per-step work costs on this CPU. Per cell, the best adaptive row against the best fixed K.
+from what its per-step work costs on this CPU. Per cell, the best adaptive row against the best fixed K
+(the report's own kinds: `report.row_kinds`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.harness.report import policy_share, step_speedup
+from benchmarks.harness.report import best_by, policy_share, row_kinds, step_speedup
 
 
 def main() -> None:
@@ -23,27 +24,37 @@ def main() -> None:
     args = ap.parse_args()
     results = [json.loads(p.read_text()) for p in sorted((args.out / "raw").glob("*.json"))]
     base = {row["cell"]["key"]: row for res in results if res["config"]["kind"] == "nospec" for row in res["cells"]}
-    s: dict[str, dict[str, tuple[float, float]]] = {}  # config -> cell -> (f = 0, f charged)
+    by_cell: dict[str, list[dict]] = {}
     for res in results:
         cfg = res["config"]
         for row in res["cells"]:
             ref = base.get(row["cell"]["key"])
             alone = step_speedup(row, ref, cfg, args.c, 0.0)
             if cfg["kind"] != "nospec" and alone is not None:
-                charged = step_speedup(row, ref, cfg, args.c, policy_share(row))
-                s.setdefault(cfg["name"], {})[row["cell"]["key"]] = (alone, charged)
-    for cell in sorted(base):
+                by_cell.setdefault(row["cell"]["key"], []).append(
+                    {
+                        "config": cfg["name"],
+                        "kind": cfg["kind"],
+                        "family": cfg["family"],
+                        "method": cfg.get("method") or "draft_model",
+                        "alone": alone,
+                        "charged": step_speedup(row, ref, cfg, args.c, policy_share(row)),
+                    }
+                )
+    for cell, rows in sorted(by_cell.items()):
         print(cell)
-        for name, by_cell in s.items():
-            if cell in by_cell:
-                print(f"  {name:32s} {by_cell[cell][0]:.3f} (f = 0)  {by_cell[cell][1]:.3f} (f charged)")
-        fixed = max(((v[cell][0], n) for n, v in s.items() if n.startswith("vLLM K=") and cell in v), default=None)
-        plugin = {n: v[cell] for n, v in s.items() if not n.startswith(("vLLM", "vllm_av")) and cell in v}
-        if plugin and fixed:
-            alone, charged = max((v[0], n) for n, v in plugin.items()), max((v[1], n) for n, v in plugin.items())
+        for r in rows:
+            print(f"  {r['config']:32s} {r['alone']:.3f} (f = 0)  {r['charged']:.3f} (f charged)")
+        kinds = row_kinds(rows)
+        fixed, alone, charged = (
+            best_by(kinds["fixed K"], "alone"),
+            *(best_by(kinds["adaptive"], m) for m in ("alone", "charged")),
+        )
+        if fixed and alone:
             print(
-                f"  best fixed K: {fixed[1]} {fixed[0]:.3f}; best adaptive {alone[1]} {alone[0] / fixed[0]:.3f}x"
-                f" (f = 0), {charged[1]} {charged[0] / fixed[0]:.3f}x (f charged)"
+                f"  best fixed K: {fixed['config']} {fixed['alone']:.3f}; best adaptive {alone['config']} "
+                f"{alone['alone'] / fixed['alone']:.3f}x (f = 0), {charged['config']} "
+                f"{charged['charged'] / fixed['alone']:.3f}x (f charged)"
             )
 
 
