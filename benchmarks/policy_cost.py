@@ -1,12 +1,16 @@
 """The policies' own cost inside vLLM at batch 1, without the batch gate.
 
     .venv/bin/python -m benchmarks.policy_cost [--drafter eagle3] [--n-prompts 8] [--max-tokens 64]
+        [--repeats 3] [--specdecpp-head NAME=PATH ...]
 
 One engine per policy (the bundled drafter, cap K=16, `time_policy` on, gate off,
 max_num_seqs=1 so every draft step has one row), held-out code prompts, greedy.
 Prints and saves f = the policy's time over the rest of the draft side's time
 (what the harness charges) and microseconds per draft step. A ratio inside one
-process: drift of a shared machine moves both sides, but it stays noisy.
+process: drift of a shared machine moves both sides, but it stays noisy. With
+--repeats N every policy runs N times, the order reversed every other repeat
+(interleaved), and each row keeps its runs and their medians; --specdecpp-head
+adds a SpecDec++ row per head file (e.g. an ablation beside the bundled head).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 from benchmarks import vllm_run
 from benchmarks.harness.plan import EAGLE3_PACER_HEAD, EAGLE3_SPECDECPP_HEAD, PACER_HEAD, SPECDECPP_HEAD
@@ -22,7 +27,7 @@ from benchmarks.paths import REPO, load_prompts
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: collective_rpc with a function
 
 
-def policies(drafter: str) -> dict[str, dict]:
+def policies(drafter: str, specdecpp_heads: dict[str, str] | None = None) -> dict[str, dict]:
     specdecpp, pacer = (
         (EAGLE3_SPECDECPP_HEAD, EAGLE3_PACER_HEAD) if drafter == "eagle3" else (SPECDECPP_HEAD, PACER_HEAD)
     )
@@ -32,7 +37,14 @@ def policies(drafter: str) -> dict[str, dict]:
         "confidence": {"policy": "confidence"},
         "specdecpp": {"policy": "specdecpp", "head": str(specdecpp)},
         "pacer": {"policy": "pacer", "head": str(pacer)},
-    }
+    } | {name: {"policy": "specdecpp", "head": path} for name, path in (specdecpp_heads or {}).items()}
+
+
+def summary(runs: list[dict]) -> dict:
+    """One row's runs -> their medians (and the runs themselves when there are several)."""
+    if len(runs) == 1:
+        return runs[0]
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"runs": runs}
 
 
 def measure(drafter: str, adaptive: dict, prompts: list[str], max_tokens: int) -> dict:
@@ -63,15 +75,22 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", nargs="*", help="these policies only")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per policy, interleaved (medians saved)")
+    ap.add_argument(
+        "--specdecpp-head", action="append", default=[], metavar="NAME=PATH", help="another SpecDec++ head's row"
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "policy_cost_b1"))
     args = ap.parse_args()
+    heads = dict(arg.split("=", 1) for arg in args.specdecpp_head)
     prompts = load_prompts("code_heldout", args.n_prompts)
-    rows = {}
-    for name, adaptive in policies(args.drafter).items():
-        if args.only and name not in args.only:
-            continue
-        rows[name] = measure(args.drafter, adaptive, prompts, args.max_tokens)
-        print(name, rows[name], flush=True)
+    plan = {n: a for n, a in policies(args.drafter, heads).items() if not args.only or n in args.only}
+    runs: dict[str, list[dict]] = {name: [] for name in plan}
+    for repeat in range(args.repeats):
+        for name in list(plan) if repeat % 2 == 0 else list(plan)[::-1]:
+            runs[name].append(measure(args.drafter, plan[name], prompts, args.max_tokens))
+            print(repeat, name, runs[name][-1], flush=True)
+    rows = {name: summary(r) for name, r in runs.items()}
+    os.makedirs(args.out, exist_ok=True)
     out = f"{args.out}/{args.drafter}.json"
     with open(out, "w") as fh:
         json.dump({"drafter": args.drafter, "batch": 1, "gate": False, **vars(args), "rows": rows}, fh, indent=1)

@@ -416,3 +416,20 @@ def test_only_matches_by_substring_or_exactly():
 
     assert chosen("pearl K=2 pre_draft=0", "pearl K=2") and not chosen("pearl K=2 pre_draft=0", "=pearl K=2")
     assert chosen("pearl K=2", "=pearl K=2")
+
+
+def test_policy_cost_adds_head_rows_and_keeps_medians_of_repeats():
+    from benchmarks import policy_cost
+
+    plan = policy_cost.policies("eagle3", {"specdecpp-d3": "ablation.safetensors"})
+    assert plan["specdecpp-d3"] == {"policy": "specdecpp", "head": "ablation.safetensors"}
+    assert plan["specdecpp"]["head"].endswith("eagle3-specdecpp.safetensors")
+    one = {"policy_share": 0.07, "policy_us_per_step": 100.0}
+    assert policy_cost.summary([one]) == one
+    runs = [
+        one,
+        {"policy_share": 0.05, "policy_us_per_step": 90.0},
+        {"policy_share": 0.09, "policy_us_per_step": 130.0},
+    ]
+    row = policy_cost.summary(runs)
+    assert (row["policy_share"], row["policy_us_per_step"], row["runs"]) == (0.07, 100.0, runs)
