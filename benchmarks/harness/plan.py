@@ -172,7 +172,7 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                 _plugin(
                     f"specdecpp eagle3 th={t}", "specdecpp", {"policy": "specdecpp", "head": head, "threshold": t}, t
                 )
-                for t in (0.5, 0.9)
+                for t in (0.3, 0.9)  # either side of the bundled head's 0.5
             ],
         ]
     if EAGLE3_PACER_HEAD.exists():
