@@ -12,7 +12,11 @@ MODELS = REPO / "benchmarks" / "models"
 TARGET_ENV, DRAFT_ENV = "VLLM_ADAPTIVE_SPEC_BENCH_TARGET", "VLLM_ADAPTIVE_SPEC_BENCH_DRAFT"
 TARGET = Path(os.environ.get(TARGET_ENV) or MODELS / "toy-target")
 DRAFT = Path(os.environ.get(DRAFT_ENV) or MODELS / "toy-draft")
-EAGLE3_HEAD = REPO / "heads" / "toy" / "eagle3"  # the EAGLE-3 head trained for the toy target
+# The EAGLE-3 head trained for the toy target on code; EAGLE3_ENV points the harness and its workers at another
+# (heads/toy/eagle3-mixed: trained on code and prose). The files trained or tuned for a head sit beside it, named
+# after it (benchmarks.harness.plan: eagle3-specdecpp.safetensors, eagle3-mixed.tune.json, ...).
+EAGLE3_ENV = "VLLM_ADAPTIVE_SPEC_BENCH_EAGLE3"
+EAGLE3_HEAD = Path(os.environ.get(EAGLE3_ENV) or REPO / "heads" / "toy" / "eagle3").resolve()
 DFLASH_HEAD = REPO / "heads" / "toy" / "dflash"  # the DFlash drafter (D-PACE) trained for the toy target
 # speculative_config.method -> the bundled drafter it runs
 DRAFTERS = {"draft_model": DRAFT, "eagle3": EAGLE3_HEAD, "dflash": DFLASH_HEAD}
@@ -24,3 +28,8 @@ def load_prompts(name: str = "code_heldout", n: int | None = None) -> list[str]:
     with (PROMPTS / f"{name}.jsonl").open() as fh:
         rows = [json.loads(line)["prompt"] for line in fh if line.strip()]
     return rows if n is None else rows[:n]
+
+
+def beside_eagle3_head(suffix: str) -> Path:
+    """A file made for the EAGLE-3 head in use: heads/toy/eagle3 + "-specdecpp.safetensors", ...."""
+    return EAGLE3_HEAD.with_name(EAGLE3_HEAD.name + suffix)

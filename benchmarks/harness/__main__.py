@@ -42,7 +42,7 @@ from benchmarks.harness.plan import (
     regime_plan,
     short_plan,
 )
-from benchmarks.paths import DRAFTERS, REPO
+from benchmarks.paths import DRAFTERS, EAGLE3_ENV, REPO
 
 
 def environment() -> dict:
@@ -269,6 +269,10 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
             " drawn in one forward: a cut saves verification, not draft time); no c is measured"
         )
     plan.notes.append(f"drafter {args.drafter}: every configuration runs on it; left out {dropped}")
+    if args.drafter == "eagle3" and os.environ.get(EAGLE3_ENV):
+        head = DRAFTERS["eagle3"]
+        plan.notes.append(f"eagle3: the head in {head.relative_to(REPO) if head.is_relative_to(REPO) else head}")
+        return f"_{head.name}"
     return f"_{args.drafter}"
 
 

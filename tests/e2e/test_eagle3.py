@@ -13,6 +13,7 @@ and what is refused at start-up.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -179,6 +180,42 @@ def test_pacer_context_is_the_first_pass_rows_it_was_trained_on(eagle3_pacer_llm
         assert err < 2e-2, err  # the engine's kernels are not the module's (and in bfloat16 relative precision is 4e-3)
         assert end == len(rows[i]) or rel(ctx, rows[i], end + 1) > 10 * err  # one row off is far worse
         assert end - 1 < len(ctx) or rel(ctx, rows[i], end - 1) > 10 * err
+
+
+EAGLE3_MIXED_HEAD = REPO / "heads" / "toy" / "eagle3-mixed"  # the same architecture, trained on code and prose
+
+
+def test_the_head_trained_on_code_and_prose_at_its_tuned_threshold(ref_llm, lossless_prompts, lossless_reference):
+    """The second bundled head loads as `method: "eagle3"`, and confidence at the threshold `tune` chose for it
+    on its training responses is lossless on held-out code and prose prompts (one batch)."""
+    tuned = json.loads((REPO / "heads" / "toy" / "eagle3-mixed.tune.json").read_text())["recommended"]
+    adaptive = {"policy": "confidence", "threshold": tuned["confidence"]["threshold"]}
+    llm = make_llm(
+        speculative_config=eagle3_config() | {"model": str(EAGLE3_MIXED_HEAD)},
+        additional_config={"adaptive_spec": adaptive},
+    )
+    try:
+        prose = load_prompts("prose_heldout", 20)
+        want = lossless_reference + greedy(ref_llm, prose, 64)
+        got = greedy(llm, lossless_prompts + prose, MIXED_MAX_TOKENS[: len(lossless_prompts)] + [64] * len(prose))
+        assert got == want, first_mismatch(got, want)
+        (snap,) = released_stats(llm)
+        assert len(snap["drafted_len_hist"]) > 1 and snap["workload"]["n_accepted"] > 0, snap
+    finally:
+        close_llm(llm)
+
+
+def test_a_stopping_head_trained_on_one_eagle3_head_fails_on_another():
+    """The fingerprint covers the EAGLE-3 head's weights, not just its kind."""
+    from vllm_adaptive_spec import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        make_llm(
+            speculative_config=eagle3_config() | {"model": str(EAGLE3_MIXED_HEAD)},
+            additional_config={"adaptive_spec": {"policy": "specdecpp", "head": str(EAGLE3_SPECDECPP_HEAD)}},
+        )
+    msg = str(err.value)
+    assert msg.startswith("adaptive_spec.head: ") and "the running draft is" in msg, msg
 
 
 @pytest.mark.parametrize(

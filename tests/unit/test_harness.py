@@ -433,3 +433,29 @@ def test_policy_cost_adds_head_rows_and_keeps_medians_of_repeats():
     ]
     row = policy_cost.summary(runs)
     assert (row["policy_share"], row["policy_us_per_step"], row["runs"]) == (0.07, 100.0, runs)
+
+
+def test_another_eagle3_head_brings_the_files_made_for_it():
+    """VLLM_ADAPTIVE_SPEC_BENCH_EAGLE3 swaps the EAGLE-3 head; the harness then reads the tuned thresholds
+    made for that head (named after it) and none of the code head's trained heads (their fingerprint is
+    the code head's: they would fail start-up on another head)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.paths import EAGLE3_ENV, REPO
+
+    code = (
+        "import json; from benchmarks import paths; from benchmarks.harness import plan; "
+        "print(json.dumps([str(paths.DRAFTERS['eagle3']), str(plan.EAGLE3_TUNED), "
+        "[c.name for c in plan.eagle3_head_configs()]]))"
+    )
+    env = os.environ | {EAGLE3_ENV: "heads/toy/eagle3-mixed"}
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env, capture_output=True, text=True)
+    head, tuned, names = json.loads(out.stdout)
+    assert Path(head) == REPO / "heads" / "toy" / "eagle3-mixed"
+    assert Path(tuned) == REPO / "heads" / "toy" / "eagle3-mixed.tune.json"
+    recommended = json.loads(Path(tuned).read_text())["recommended"]
+    assert f"confidence {recommended['confidence']['threshold']} (tuned on train, c=4)" in names
+    assert not any("specdecpp" in n or "pacer" in n for n in names), names
