@@ -400,6 +400,9 @@ def regime_plan() -> Plan:
     svip = next(c for c in configs if c.name == "svip h=0.3 (default)")
     ahead = svip.adaptive | {"prepare_ahead": True}
     configs.append(replace(svip, name="svip h=0.3, prepared ahead", family="svip prepared ahead", adaptive=ahead))
+    # the cap's own cost at equal work: the plugin's fixed K=4 in an engine whose cap is the policies' 16
+    fixed4 = next(c for c in configs if c.name == "plugin fixed K=4")
+    configs.append(replace(fixed4, name="plugin fixed K=4 under cap 16", k=CAP, adaptive={"policy": "fixed", "k": 4}))
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16), notes=notes)

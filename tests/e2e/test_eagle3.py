@@ -73,6 +73,17 @@ def test_fixed_policy_drafts_what_vllms_eagle_loop_drafts(eagle3_llm, vllm_eagle
     assert own["n_accepted"] > 2 * own["n_target"], "the head gets long drafts accepted"
 
 
+def test_fixed_k_under_a_larger_cap_does_vllms_work_at_that_k(vllm_eagle3_llm):
+    """fixed with k = 8 in an engine whose cap is 16: vLLM's K=8 work exactly (the cap's own cost, isolated)."""
+    llm = make_llm(
+        speculative_config=eagle3_config(16), additional_config={"adaptive_spec": {"policy": "fixed", "k": CAP}}
+    )
+    try:
+        same_work_as_vllm(llm, vllm_eagle3_llm)
+    finally:
+        close_llm(llm)
+
+
 def _assert_lossless_one_at_a_time(llm, prompts: list[str], reference: list[list[int]]) -> None:
     """Every held-out prompt alone in the engine (batch 1)."""
     for i, prompt in enumerate(prompts):

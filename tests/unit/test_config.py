@@ -22,6 +22,14 @@ def test_policy_params_are_kept_and_build_the_policy():
 def test_fixed_policy():
     assert parse_additional_config({"adaptive_spec": {"policy": "fixed"}}) == AdaptiveSpecConfig("fixed", {})
     assert parse_additional_config({"adaptive_spec": {}}) == AdaptiveSpecConfig("fixed", {})
+    policy = parse_additional_config({"adaptive_spec": {"policy": "fixed"}}).build_policy()
+    assert policy.round_limits(["a", "b"], 8) == [8, 8]  # the cap
+
+
+def test_fixed_policy_with_k_drafts_k_under_the_cap():
+    policy = parse_additional_config({"adaptive_spec": {"policy": "fixed", "k": 3}}).build_policy()
+    assert policy.round_limits(["a", "b"], 8) == [3, 3]
+    assert policy.round_limits(["a"], 2) == [2]  # never past the engine's cap
 
 
 @pytest.mark.parametrize(
@@ -37,6 +45,7 @@ def test_fixed_policy():
         ({"policy": "svip", "threshold": -1.0}, "adaptive_spec.threshold: -1.0 is out of range"),
         ({"policy": "confidence", "threshold": float("nan")}, "adaptive_spec.threshold: nan is out of range"),
         ({"policy": "heuristic", "initial": 2.5}, "adaptive_spec.initial: expected int, got 2.5"),
+        ({"policy": "fixed", "k": 0}, "adaptive_spec.k: 0 is out of range"),
         ({"policy": "heuristic", "initial": True}, "adaptive_spec.initial: expected int, got True"),
         ({"policy": "svip", "prepare_ahead": "yes"}, "adaptive_spec.prepare_ahead: expected true or false, got 'yes'"),
         ({"policy": "pearl", "prepare_ahead": True}, "adaptive_spec.prepare_ahead: true does not combine with"),

@@ -254,6 +254,8 @@ def test_eagle3_rows_and_their_regime_variant():
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
     ahead = {c.name: c for c in regime_plan().configs}["svip h=0.3, prepared ahead"]
     assert ahead.timed and ahead.adaptive == {"policy": "svip", "prepare_ahead": True}
+    under = {c.name: c for c in regime_plan().configs}["plugin fixed K=4 under cap 16"]
+    assert under.timed and under.k == 16 and under.adaptive == {"policy": "fixed", "k": 4}
 
 
 def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
