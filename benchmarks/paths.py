@@ -30,6 +30,6 @@ def load_prompts(name: str = "code_heldout", n: int | None = None) -> list[str]:
     return rows if n is None else rows[:n]
 
 
-def beside_eagle3_head(suffix: str) -> Path:
-    """A file made for the EAGLE-3 head in use: heads/toy/eagle3 + "-specdecpp.safetensors", ...."""
-    return EAGLE3_HEAD.with_name(EAGLE3_HEAD.name + suffix)
+def beside(head: Path, suffix: str) -> Path:
+    """A file made for a drafter directory, next to it and named after it: heads/toy/eagle3 + ".tune.json"."""
+    return head.with_name(head.name + suffix)

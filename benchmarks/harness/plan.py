@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paths import REPO, beside_eagle3_head, load_prompts
+from benchmarks.paths import EAGLE3_HEAD, REPO, beside, load_prompts
 
 WORKLOADS = ("code_heldout", "prose_heldout")
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -27,12 +27,12 @@ DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
 SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
 PACER_HEAD = REPO / "heads" / "toy" / "pacer.safetensors"
 # Files made for the EAGLE-3 head the harness runs (benchmarks.paths.EAGLE3_HEAD), beside it and named after it.
-EAGLE3_SPECDECPP_HEAD = beside_eagle3_head("-specdecpp.safetensors")  # trained on the EAGLE-3 head
-EAGLE3_PACER_HEAD = beside_eagle3_head("-pacer.safetensors")  # trained on the EAGLE-3 head
+EAGLE3_SPECDECPP_HEAD = beside(EAGLE3_HEAD, "-specdecpp.safetensors")  # trained on the EAGLE-3 head
+EAGLE3_PACER_HEAD = beside(EAGLE3_HEAD, "-pacer.safetensors")  # trained on the EAGLE-3 head
 # svip and confidence thresholds for the EAGLE-3 head, chosen on training responses (`vllm-adaptive-spec tune`):
 # at c = 4 (the counts of record), c = 12 (near regime (c)'s measured 11-13.5) and c = 17 (an H100 at 8B sizes)
-EAGLE3_TUNED = beside_eagle3_head(".tune.json")
-EAGLE3_TUNED_FILES = (EAGLE3_TUNED, *(beside_eagle3_head(f".tune-c{c}.json") for c in (12, 17)))
+EAGLE3_TUNED = beside(EAGLE3_HEAD, ".tune.json")
+EAGLE3_TUNED_FILES = (EAGLE3_TUNED, *(beside(EAGLE3_HEAD, f".tune-c{c}.json") for c in (12, 17)))
 # The position-embedding ablation: two layers trained alike (500 responses), with and without e_i.
 PACER_ABLATION_PAIR = {
     "on": REPO / "heads" / "toy" / "ablations" / "pacer_pos500.safetensors",

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from benchmarks import vllm_run
-from benchmarks.harness.plan import EAGLE3_SPECDECPP_HEAD, PACER_HEAD, SPECDECPP_HEAD
-from benchmarks.paths import EAGLE3_HEAD, REPO, TARGET, load_prompts
+from benchmarks.harness.plan import EAGLE3_PACER_HEAD, EAGLE3_SPECDECPP_HEAD, PACER_HEAD, SPECDECPP_HEAD
+from benchmarks.paths import EAGLE3_HEAD, REPO, TARGET, beside, load_prompts
 from tests.conftest import (
     MIXED_MAX_TOKENS,
     N_LOSSLESS,
@@ -36,7 +36,6 @@ from tests.conftest import (
 pytestmark = pytest.mark.e2e
 
 CAP = 8
-EAGLE3_PACER_HEAD = REPO / "heads" / "toy" / "eagle3-pacer.safetensors"  # trained on the EAGLE-3 head
 
 
 def eagle3_config(k: int = CAP) -> dict:
@@ -199,7 +198,7 @@ EAGLE3_MIXED_HEAD = REPO / "heads" / "toy" / "eagle3-mixed"  # the same architec
 def test_the_head_trained_on_code_and_prose_at_its_tuned_threshold(ref_llm, lossless_prompts, lossless_reference):
     """The second bundled head loads as `method: "eagle3"`, and confidence at the threshold `tune` chose for it
     on its training responses is lossless on held-out code and prose prompts (one batch)."""
-    tuned = json.loads((REPO / "heads" / "toy" / "eagle3-mixed.tune.json").read_text())["recommended"]
+    tuned = json.loads(beside(EAGLE3_MIXED_HEAD, ".tune.json").read_text())["recommended"]
     adaptive = {"policy": "confidence", "threshold": tuned["confidence"]["threshold"]}
     llm = make_llm(
         speculative_config=eagle3_config() | {"model": str(EAGLE3_MIXED_HEAD)},
