@@ -219,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter", choices=("eagle3",), default="eagle3", help="what --draft is (only EAGLE-3 head directories)"
     )
     tu.add_argument("--cost-ratio", dest="cost_ratio", type=float, help="c = t_T / t_D to choose for (default 4)")
+    tu.add_argument(
+        "--costs",
+        help="choose on a cost file's batch-1 curves instead of c: each pass priced by how many drafts it verifies "
+        "(benchmarks: the regime harness writes step_costs_<workload>.json, benchmarks.step_costs costs.json)",
+    )
     for name in ("cap", "replay_responses"):
         tu.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     tu.add_argument("--val-frac", dest="val_frac", type=float, help="held-out share of the training prompts (0.1)")

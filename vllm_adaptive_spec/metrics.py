@@ -48,6 +48,17 @@ class SpecCounts:
     def modeled_speedup(self, c: float, overhead: float = 0.0) -> float:
         return modeled_speedup(self.n_gen, self.n_target, self.draft_cost_tokens, c, overhead)
 
+    def passes_by_drafts(self) -> dict[int, int]:
+        """Target passes per number of drafts they verified (0: prefills, rounds that drafted nothing)."""
+        per_pos = [*self.drafted_per_pos, 0]
+        out = {0: self.n_target - per_pos[0]}
+        out |= {j + 1: per_pos[j] - per_pos[j + 1] for j in range(len(self.drafted_per_pos))}
+        return {m: n for m, n in out.items() if n}
+
+    def priced_speedup(self, verify_ms: list[float], draft_ms: float) -> float:
+        """S on a machine's measured step costs instead of one ratio c (`priced_speedup`)."""
+        return priced_speedup(self.n_gen, self.passes_by_drafts(), self.draft_cost_tokens, verify_ms, draft_ms)
+
     def add(self, other: SpecCounts) -> None:
         self.n_gen += other.n_gen
         self.n_target += other.n_target
@@ -113,6 +124,15 @@ def modeled_speedup(n_gen: int, n_target: int, n_draft: int, c: float, overhead:
     units of one target step.
     """
     return 1.0 / (n_target / n_gen + (n_draft / n_gen) / c + overhead)
+
+
+def priced_speedup(n_gen: int, passes: dict[int, int], n_drawn: int, verify_ms: list[float], draft_ms: float) -> float:
+    """S when a pass that verifies m drafts costs verify_ms[1 + m] (a pass over 1 + m tokens, as measured:
+    on a CPU it grows with m, on a GPU at batch 1 it hardly does) and each drawn draft draft_ms, against
+    no speculation's N_gen passes of verify_ms[1]. passes: m -> passes (`SpecCounts.passes_by_drafts`).
+    With verify_ms constant at t_T and draft_ms = t_T / c this is `modeled_speedup` at c."""
+    spent = sum(n * verify_ms[min(1 + m, len(verify_ms) - 1)] for m, n in passes.items()) + n_drawn * draft_ms
+    return n_gen * verify_ms[1] / spent
 
 
 def overlapped_speedup(n_gen: int, n_target: int, n_drawn: int, c: float, n_sequential: int = 0) -> float:

@@ -22,6 +22,7 @@ from benchmarks.paths import EAGLE3_HEAD, REPO, beside, load_prompts
 WORKLOADS = ("code_heldout", "prose_heldout")
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
+VERIFY_CURVE_KS = (1, 2, 3, 4, 6, 8, 12)  # the regime's "plugin fixed K=k under cap 16" rows
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
 DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
 SPECDECPP_HEAD = REPO / "heads" / "toy" / "specdecpp.safetensors"
@@ -194,6 +195,8 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
             if regime:  # the same rule with the batch gate on, deciding on the regime's costs (--costs)
                 gated = f"{policy} {t} gated (tuned on train, c={c:g})"
                 configs.append(_plugin(gated, policy, {"policy": policy, "threshold": t}, t, timed=True))
+                # ... and the rule alone under a cap of 8, which it rarely reaches: what the cap costs
+                configs.append(replace(configs[-2], name=f"{name}, cap 8", k=8))
     if regime:
         configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs
@@ -402,7 +405,14 @@ def regime_plan() -> Plan:
     configs.append(replace(svip, name="svip h=0.3, prepared ahead", family="svip prepared ahead", adaptive=ahead))
     # the cap's own cost at equal work: the plugin's fixed K=4 in an engine whose cap is the policies' 16
     fixed4 = next(c for c in configs if c.name == "plugin fixed K=4")
-    configs.append(replace(fixed4, name="plugin fixed K=4 under cap 16", k=CAP, adaptive={"policy": "fixed", "k": 4}))
+    # ... and at other lengths: a batch-1 pass's cost per verified token count, at the cap the policies run
+    # under (what an adaptive row's mix of lengths costs on this machine's kernels; report: step table)
+    configs += [
+        replace(fixed4, name=f"plugin fixed K={k} under cap 16", sweep=k, k=CAP, adaptive={"policy": "fixed", "k": k})
+        for k in VERIFY_CURVE_KS
+    ]
+    # a second engine of the same configuration: the spread between two engines that no repeat removes
+    configs.append(Config("vLLM K=4 (twin engine)", "vllm", "engine twin", 4, sweep=4, timed=True))
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16), notes=notes)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness import step_table
 from vllm_adaptive_spec.metrics import modeled_speedup, overlapped_speedup
 
 C_PAPER = 4.0  # the papers' 1.3B/33B pair
@@ -374,6 +375,7 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
             )
     lines += drift_section(table)
     lines += model_vs_wall_clock_section(table)
+    lines += step_table.step_table_section(table)
     lines += parallel_section(table)
     return "\n".join(lines) + "\n"
 
@@ -679,6 +681,7 @@ def write(results: list[dict], env: dict, out: Path, title: str) -> dict[str, An
     from benchmarks.harness import plots
 
     table = tabulate(results)
+    step_table.write_costs(table, out)
     (out / "report.json").write_text(json.dumps({"environment": env, **table}, indent=1) + "\n")
     md = markdown(table, env, title)
     previous = out / "previous_report.json"

@@ -249,13 +249,19 @@ def test_eagle3_rows_and_their_regime_variant():
     # the regime times each head with and without the gate and the tuned rows; no sweeps
     assert all(c.timed for c in regime)
     gated = {c.name.replace(" (tuned", " gated (tuned") for c in tuned}  # the tuned rules with the gate on
-    assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned} | gated
+    capped = {f"{c.name}, cap 8" for c in tuned}  # ... and alone under a cap of 8
+    assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped
     assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated)
+    assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
     ahead = {c.name: c for c in regime_plan().configs}["svip h=0.3, prepared ahead"]
     assert ahead.timed and ahead.adaptive == {"policy": "svip", "prepare_ahead": True}
     under = {c.name: c for c in regime_plan().configs}["plugin fixed K=4 under cap 16"]
     assert under.timed and under.k == 16 and under.adaptive == {"policy": "fixed", "k": 4}
+    curve = [c for c in regime_plan().configs if c.name.endswith("under cap 16")]  # the step table's rows
+    assert sorted(c.adaptive["k"] for c in curve) == [1, 2, 3, 4, 6, 8, 12] and all(c.k == 16 for c in curve)
+    twin = {c.name: c for c in regime_plan().configs}["vLLM K=4 (twin engine)"]
+    assert twin.kind == "vllm" and twin.k == 4 and twin.family != "fixed K"  # never the best fixed K
 
 
 def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
@@ -461,3 +467,45 @@ def test_another_eagle3_head_brings_the_files_made_for_it():
     recommended = json.loads(Path(tuned).read_text())["recommended"]
     assert f"confidence {recommended['confidence']['threshold']} (tuned on train, c=4)" in names
     assert not any("specdecpp" in n or "pacer" in n for n in names), names
+
+
+def test_step_table_prices_each_length_a_row_verified(tmp_path):
+    """Two fixed rows give R at m = 1 and m = 4; a row that kept 1 draft half its steps and 4 the other
+    half costs its draft side plus those steps priced by R; a bent curve separates table and line."""
+    from benchmarks.harness import step_table
+
+    def row(name, family, hist, seconds, propose):
+        cell = {"key": "timed/code_heldout/b1/t0", "timed": True, "batch": 1}
+        return {
+            "config": name, "family": family, "kind": "plugin", "cell": cell, "seconds": [seconds],
+            "steps": sum(hist.values()), "draft_len_hist": {str(m): n for m, n in hist.items()},
+            "policy_timing": {"propose_s": propose},
+        }  # fmt: skip
+
+    rows = [
+        row("fixed 1", "plugin fixed", {1: 100}, 1.0 + 0.1, 0.1),  # R(1) = 10 ms
+        row("fixed 4", "plugin fixed", {4: 100}, 1.6 + 0.4, 0.4),  # R(4) = 16 ms
+        row("fixed 8", "plugin fixed", {8: 100}, 1.6 + 0.8, 0.8),  # R(8) = 16 ms: the curve bends
+        row("mixed", "confidence", {1: 50, 4: 50}, 1.3 + 0.25, 0.25),
+    ]
+    pts = step_table.table_points(rows)
+    assert [round(m) for m, _, _ in pts] == [1, 4, 8]
+    by_table, by_line = step_table.predict(rows[3], pts)
+    assert by_table == pytest.approx(0.25 + 50 * 0.010 + 50 * 0.016)
+    assert abs(by_line - by_table) > 0.01  # the line through a bent curve misprices the mix
+    text = "\n".join(step_table.step_table_section({"rows": rows}))
+    assert "| mixed | 2.50 | 1.550 | 1.550 | +0.0% |" in text
+
+    # as a cost file: each forward at the draft side's slope over forwards (0.1 s / 100 steps per forward
+    # per step = 1 ms), a pass over 1 + m tokens at the step less its forwards, 1 token at no speculation's
+    for r, k in zip(rows[:3], (1, 4, 8)):
+        r["draft_forwards_per_step"] = {str(k): 100}
+    nospec = row("no speculation", "no speculation", {0: 200}, 1.6, 0.0) | {"kind": "nospec"}
+    costs = step_table.batch1_costs([*rows, nospec])
+    assert costs["draft_step_ms"] == [[1, pytest.approx(1.0)]]
+    assert costs["verify_ms"] == [[1.0, pytest.approx(8.0)], [2, pytest.approx(10.0)], [5, 16.0], [9, 16.0]]
+    from vllm_adaptive_spec.policies.costs import load_costs
+
+    path = tmp_path / "step_costs.json"
+    path.write_text(json.dumps(costs))
+    assert load_costs(str(path)) == costs

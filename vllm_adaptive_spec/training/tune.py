@@ -19,6 +19,7 @@ charges no policy time (the harness measures that inside the engine).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from vllm_adaptive_spec.heads.eagle3 import Eagle3Head, load_hf_dir
 from vllm_adaptive_spec.heads.fileformat import draft_identity, project_commit
 from vllm_adaptive_spec.metrics import replay_row
 from vllm_adaptive_spec.policies.base import entropy
+from vllm_adaptive_spec.policies.costs import StepCosts, load_costs
 from vllm_adaptive_spec.training import data
 from vllm_adaptive_spec.training.specdecpp import is_heldout
 from vllm_adaptive_spec.training.specdecpp_eagle3 import replay_lengths, response_chains
@@ -44,6 +46,7 @@ SVIP_ENTROPY_SCALE = 0.15  # c_e, the policy's default (policies/svip.py)
 class TuneConfig:
     cap: int = 16  # K: the longest round
     cost_ratio: float = 4.0  # c = t_T / t_D the threshold is chosen for
+    costs: str | None = None  # a cost file (policies/costs.py): price passes by length on its batch-1 curves
     val_frac: float = 0.1  # the held-out share of the training prompts (the heads' split)
     replay_responses: int = 200  # held-out training responses replayed (0: all)
     svip: tuple[float, ...] = tuple(round(0.1 * i, 2) for i in range(1, 13))  # h
@@ -81,9 +84,22 @@ def rule_lengths(policy: str, threshold: float, f: ChainFeatures) -> torch.Tenso
     raise ValueError(f"no replay for policy {policy!r}")
 
 
+@functools.cache
+def batch1_prices(costs: str, cap: int) -> tuple[list[float], float]:
+    """(verify_ms per token count 0..cap + 1, draft_ms per forward) at one request, from a cost file."""
+    curves = StepCosts(load_costs(costs))
+    return curves.verify_list(cap + 1), curves.draft(1)
+
+
 def replay_rule(feats: list[ChainFeatures], lengths: list[torch.Tensor], cfg: TuneConfig, key: dict) -> dict:
-    """One replay row: every chain's round length `lengths` (per response, [C]) at cap cfg.cap."""
-    return replay_row(key, replay_lengths([f.runs for f in feats], lengths, cfg.cap), cfg.cost_ratio)
+    """One replay row: every chain's round length `lengths` (per response, [C]) at cap cfg.cap. With
+    cfg.costs, `speedup` is S priced on the file's batch-1 curves (`speedup_at_c` keeps S at c)."""
+    counts = replay_lengths([f.runs for f in feats], lengths, cfg.cap)
+    row = replay_row(key, counts, cfg.cost_ratio)
+    if cfg.costs:
+        row["speedup_at_c"] = row["speedup"]
+        row["speedup"] = round(counts.priced_speedup(*batch1_prices(cfg.costs, cfg.cap)), 4)
+    return row
 
 
 def baselines(feats: list[ChainFeatures], cfg: TuneConfig) -> dict[str, Any]:
@@ -106,6 +122,12 @@ def sweep(feats: list[ChainFeatures], cfg: TuneConfig) -> dict[str, Any]:
         ]
         policies[policy] = {"rows": rows, "best": max(rows, key=lambda row: row["speedup"])}
     return {**baselines(feats, cfg), "policies": policies}
+
+
+def objective(cfg: TuneConfig) -> str:
+    if cfg.costs:
+        return f"S priced on the batch-1 step costs of {cfg.costs} (a pass over 1 + m tokens at its measured cost)"
+    return f"S(c={cfg.cost_ratio})"
 
 
 def heldout_features(
@@ -136,6 +158,8 @@ def tune_eagle3(
     """Replays the head's chains on held-out training responses; returns the report with each
     policy's recommended threshold at cfg.cost_ratio."""
     started = time.perf_counter()
+    if cfg.costs:
+        batch1_prices(cfg.costs, cfg.cap)  # a bad file fails here, before the replay
     feats, held = heldout_features(target, drafter, responses, cfg)
     result = sweep(feats, cfg)
     recommended = {p: {"threshold": v["best"]["threshold"]} for p, v in result["policies"].items()}
@@ -144,7 +168,7 @@ def tune_eagle3(
         "drafter_method": "eagle3",
         "recommended": recommended,
         "choice": (
-            f"maximises modeled speedup S(c={cfg.cost_ratio}) at cap K={cfg.cap} in an exact greedy replay of the "
+            f"maximises modeled speedup {objective(cfg)} at cap K={cfg.cap} in an exact greedy replay of the "
             f"head's chains on {len(held)} held-out training responses (no policy time charged)"
         ),
         "config": {k: v for k, v in vars(cfg).items()},

@@ -1,0 +1,147 @@
+"""Batch-1 step table: what a step costs at each verified length on this machine, and whether that
+explains the wall clock of rows that mix lengths.
+
+The plugin's fixed rows (the regime's "plugin fixed K=k under cap 16", "plugin fixed K=16") draft
+one length every step. Their clock splits each run into the draft side (`policy_timing.propose_s`,
+the loop's own timer) and the rest: the target pass over 1 + m tokens, rejection sampling and the
+engine's bookkeeping. Per fixed row, R(m) = (seconds - propose_s) / steps at m = its mean kept
+drafts per step. Every plugin row on the cell is then predicted from its own draft side and its
+histogram of kept lengths, propose_s + sum_m hist[m] R(m), with R interpolated linearly between the
+table's lengths (flat past the ends), and once more with R affine in m (least squares over the
+table): the shape the step-cost model of the wall-clock section assumes. Where the table predicts a
+row and the affine line does not, the gap comes from the cost curve's shape, not from the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Any
+
+import numpy as np
+
+EXPLAINED = (
+    "The plugin's fixed rows draft one length m every step; their own clock splits each run into the draft "
+    "side and the rest of the step (the target pass over 1 + m tokens, rejection sampling, bookkeeping): "
+    "R(m) = (seconds - draft side) / steps. Every plugin row is predicted from its own draft side plus "
+    "its histogram of kept lengths priced by R, interpolated between the table's lengths ('by the table'), "
+    "and by a line fitted to the same points ('by the affine line', the shape the step-cost model above "
+    "assumes). Where the table predicts a row and the line does not, the shape of the cost curve explains "
+    "the gap, not the loop."
+)
+
+
+def _mean_kept(row: dict) -> float:
+    hist = row.get("draft_len_hist") or {}
+    steps = sum(hist.values())
+    return sum(int(m) * n for m, n in hist.items()) / steps if steps else float("nan")
+
+
+def _rest_per_step(row: dict) -> float:
+    """Seconds per step outside the draft side (median run)."""
+    return (statistics.median(row["seconds"]) - row["policy_timing"]["propose_s"]) / row["steps"]
+
+
+def _is_fixed(row: dict) -> bool:
+    return row.get("family") == "plugin fixed"
+
+
+def table_points(rows: list[dict]) -> list[tuple[float, float, str]]:
+    """(m, R(m) seconds, config) per fixed plugin row of one batch-1 cell, sorted by m."""
+    pts = [
+        (_mean_kept(r), _rest_per_step(r), r["config"])
+        for r in rows
+        if _is_fixed(r) and r.get("policy_timing") and r.get("steps")
+    ]
+    return sorted(p for p in pts if np.isfinite(p[0]))
+
+
+def predict(row: dict, pts: list[tuple[float, float, str]]) -> tuple[float, float]:
+    """(by the table, by the affine fit) seconds of one run of the row."""
+    ms = np.array([p[0] for p in pts])
+    rs = np.array([p[1] for p in pts])
+    slope, icept = np.polyfit(ms, rs, 1)
+    hist = {int(m): n for m, n in row["draft_len_hist"].items()}
+    lengths, counts = np.array(list(hist), dtype=float), np.array(list(hist.values()), dtype=float)
+    draft = row["policy_timing"]["propose_s"]
+    by_table = draft + float(counts @ np.interp(lengths, ms, rs))
+    by_line = draft + float(counts @ (icept + slope * lengths))
+    return by_table, by_line
+
+
+def _forwards(row: dict) -> float:
+    """Draft forwards of one run of the row."""
+    return float(sum(int(k) * n for k, n in (row.get("draft_forwards_per_step") or {}).items()))
+
+
+def batch1_costs(rows: list[dict]) -> dict | None:
+    """A cost file (`adaptive_spec.costs`, `tune --costs`) at one request from one batch-1 cell: each draft
+    forward costs the slope b of the fixed rows' draft side over their forwards per step; a pass over
+    1 + m tokens costs a fixed row's step time less its forwards at b (the draft side's per-round part
+    stays in it), a pass over 1 token a step of no speculation. None without two fixed rows."""
+    fixed = [r for r in rows if _is_fixed(r) and r.get("policy_timing") and r.get("steps") and _forwards(r)]
+    nospec = next((r for r in rows if r["kind"] == "nospec"), None)
+    if len({round(_forwards(r) / r["steps"], 1) for r in fixed}) < 2 or nospec is None:
+        return None  # a slope needs two draft lengths
+    fw = np.array([_forwards(r) / r["steps"] for r in fixed])
+    side = np.array([r["policy_timing"]["propose_s"] / r["steps"] for r in fixed])
+    b = float(np.polyfit(fw, side, 1)[0])
+    verify = [[1.0, 1e3 * statistics.median(nospec["seconds"]) / nospec["steps"]]]
+    for r in sorted(fixed, key=_mean_kept):
+        ms = 1e3 * (statistics.median(r["seconds"]) - b * _forwards(r)) / r["steps"]
+        verify.append([round(1 + _mean_kept(r), 2), round(ms, 4)])
+    return {"draft_step_ms": [[1, round(1e3 * b, 4)]], "verify_ms": verify}
+
+
+def write_costs(table: dict[str, Any], out) -> list:
+    """step_costs_<workload>.json in `out` for every timed batch-1 cell with a step table."""
+    rows = [r for r in table["rows"] if r["cell"]["timed"] and r["cell"]["batch"] == 1]
+    written = []
+    for key in sorted({r["cell"]["key"] for r in rows}):
+        costs = batch1_costs([r for r in rows if r["cell"]["key"] == key])
+        if costs:
+            path = out / f"step_costs_{key.split('/')[1]}.json"
+            path.write_text(json.dumps(costs, indent=1) + "\n")
+            written.append(path)
+    return written
+
+
+def step_table_section(table: dict[str, Any]) -> list[str]:
+    rows = [r for r in table["rows"] if r["cell"]["timed"] and r["cell"]["batch"] == 1]
+    keys = sorted({r["cell"]["key"] for r in rows})
+    lines: list[str] = []
+    for key in keys:
+        here = [r for r in rows if r["cell"]["key"] == key]
+        pts = table_points(here)
+        if len({round(m, 1) for m, _, _ in pts}) < 2:
+            continue  # a table needs two lengths
+        if not lines:
+            lines = ["", "## Step table at batch 1: cost per verified length, and what it predicts", "", EXPLAINED]
+        nospec = next((r for r in here if r["kind"] == "nospec"), None)
+        t_t = statistics.median(nospec["seconds"]) / nospec["steps"] if nospec else float("nan")
+        lines += [
+            "",
+            f"{key.removeprefix('timed/')}: no speculation {1e3 * t_t:.2f} ms per step",
+            "",
+            "| from | drafts kept per step m | rest of the step (ms) | in t_T |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {name} | {m:.2f} | {1e3 * r:.2f} | {r / t_t:.2f} |" for m, r, name in pts]
+        lines += [
+            "",
+            f"As a cost file (`tune --costs`, `adaptive_spec.costs`): step_costs_{key.split('/')[1]}.json, "
+            "each draft forward at the slope of the fixed rows' draft side over their forwards.",
+            "",
+            "| config | drafts kept per step | measured s/run | by the table | error | by the affine line | error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in here:
+            if r["kind"] != "plugin" or not r.get("draft_len_hist") or not r.get("policy_timing"):
+                continue
+            meas = statistics.median(r["seconds"])
+            tab, lin = predict(r, pts)
+            lines.append(
+                f"| {r['config']} | {_mean_kept(r):.2f} | {meas:.3f} | {tab:.3f} | {(tab - meas) / meas:+.1%} | "
+                f"{lin:.3f} | {(lin - meas) / meas:+.1%} |"
+            )
+    return lines
