@@ -130,7 +130,9 @@ def run_config(config: Config, plan: Plan, out: Path, cells: list[Cell]) -> tupl
     return result, proc.returncode == 0 and result.exists()
 
 
-def run_interleaved(configs: list[Config], plan: Plan, out: Path, group_size: int, resume: bool) -> list[str]:
+def run_interleaved(
+    configs: list[Config], plan: Plan, out: Path, group_size: int, resume: bool, fresh: bool = False
+) -> list[str]:
     """Phase two: the timed cells of every engine configuration, interleaved in groups (interleaved.py).
     Rows join each configuration's raw file beside its count cells."""
     from benchmarks.harness.interleaved import groups_of, run_group
@@ -150,7 +152,7 @@ def run_interleaved(configs: list[Config], plan: Plan, out: Path, group_size: in
         if resume and all(_has_timed(out, c) for c in members[1:]):
             continue
         try:
-            rows = run_group(members, cells, out / "logs", index)
+            rows = run_group(members, cells, out / "logs", index, fresh)
         except Exception as exc:  # noqa: BLE001  (one failed group must not lose the others)
             tqdm.write(f"FAILED: interleaved group {index} ({[c.name for c in members]}): {exc}")
             failed += [c.name for c in members[1:]]
@@ -360,6 +362,12 @@ def main() -> None:
         "--sequential", action="store_true", help="time configurations one after another instead of interleaved"
     )
     ap.add_argument("--group-size", type=int, default=6, help="engines alive at once when interleaving (memory)")
+    ap.add_argument("--repeats", type=int, help="repeats of every timed cell (the plan's: 3)")
+    ap.add_argument(
+        "--fresh-engines",
+        action="store_true",
+        help="interleaved: start every engine again for each repeat (samples each engine's own offset)",
+    )
     ap.add_argument("--target-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the target")
     ap.add_argument("--draft-mlp-factor", type=int, default=1, help="time on a cost-scaled copy of the draft")
     ap.add_argument("--regime", action="store_true", help="the batch-1 regime plan (use with the mlp factors)")
@@ -406,6 +414,8 @@ def main() -> None:
         and (not args.workloads or c.workload in args.workloads)
         and (not args.batches or c.batch in args.batches)
     ]
+    if args.repeats:
+        plan.cells[:] = [replace(c, repeats=args.repeats) if c.timed else c for c in plan.cells]
     scaled = use_scaled_models(args, plan)
     drafter = use_drafter(args, plan)
     if args.costs:
@@ -439,7 +449,7 @@ def main() -> None:
                 cells = [c for c in cells if not c.timed]  # timed below, interleaved
             failed += _run_unless_done(config, plan, out, cells, args.resume)
         if not args.sequential:
-            failed += run_interleaved(configs, plan, out, args.group_size, args.resume)
+            failed += run_interleaved(configs, plan, out, args.group_size, args.resume, args.fresh_engines)
             if late:
                 save_timed_outputs(out)
             for config in late:

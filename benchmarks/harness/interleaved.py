@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +107,45 @@ def paired(row: dict, base: dict) -> dict:
     return row | {"paired_ratio": [a / b for a, b in zip(row["tokens_per_s"], base["tokens_per_s"])]}
 
 
-def run_group(members: list[Config], cells: list[Cell], logs: Path, index: int) -> dict[str, list[dict]]:
-    """Every timed cell on every member, interleaved; rows per configuration name."""
+def merge_lives(rows: list[dict]) -> dict:
+    """One configuration's row of one cell from several engine lives (one repeat each): their repeats'
+    seconds, speeds and paired ratios side by side, the policy's timing averaged; the counts are the
+    first life's (greedy: every life generates the same tokens)."""
+    out = dict(rows[0])
+    for key in ("seconds", "tokens_per_s", "paired_ratio"):
+        out[key] = [x for r in rows for x in r[key]]
+    out["cell"] = rows[0]["cell"] | {"repeats": len(out["seconds"])}
+    if rows[0].get("policy_timing"):
+        out["policy_timing"] = {
+            k: sum(r["policy_timing"][k] for r in rows) / len(rows) for k in rows[0]["policy_timing"]
+        }
+    out["engine_lives"] = len(rows)
+    return out
+
+
+def run_group(
+    members: list[Config], cells: list[Cell], logs: Path, index: int, fresh: bool = False
+) -> dict[str, list[dict]]:
+    """Every timed cell on every member, interleaved; rows per configuration name. fresh: every repeat
+    on new engines (all members started again), so each engine's own offset (where its process and
+    memory landed: two engines of one configuration differ by a few percent through all their
+    repeats) becomes one more thing the repeats sample instead of a bias of the row."""
+    if fresh:
+        lives = [
+            _run_life(members, [replace(c, repeats=1) for c in cells], logs, index, f"_life{r}")
+            for r in range(max(c.repeats for c in cells))
+        ]
+        return {c.name: [merge_lives([life[c.name][i] for life in lives]) for i in range(len(cells))] for c in members}
+    return _run_life(members, cells, logs, index, "")
+
+
+def _run_life(members: list[Config], cells: list[Cell], logs: Path, index: int, tag: str) -> dict[str, list[dict]]:
     ctx = mp.get_context("spawn")
     engines: list[Engine] = []
     rows: dict[str, list[dict]] = {c.name: [] for c in members}
     try:
         for cfg in members:  # one at a time: engines start faster without competing for the cores
-            engines.append(Engine(ctx, cfg, logs / f"interleaved_g{index}_{_slug(cfg.name)}.log"))
+            engines.append(Engine(ctx, cfg, logs / f"interleaved_g{index}_{_slug(cfg.name)}{tag}.log"))
             engines[-1].ask()
         for cell in cells:
             n_groups = [e.ask("start", cell.__dict__) for e in engines][0]

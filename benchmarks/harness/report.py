@@ -338,6 +338,12 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
         "Interleaved: every configuration of a group kept its engine alive and ran each prompt group in turn "
         "(order rotated), no speculation in every group; the ratio is the median over repeats of tokens/s over "
         "no speculation's in the same repeat and group (paired)."
+        + (
+            " Fresh engines (--fresh-engines): every repeat ran on engines started again for it, so the spread "
+            "includes each engine's own offset."
+            if any(r.get("engine_lives") for r in table["rows"])
+            else ""
+        )
         if interleaved
         else "Sequential: configurations ran one after another, so ratios between them carry the machine's "
         "drift (10-20% within minutes); the ratio is median tokens/s over no speculation's."

@@ -509,3 +509,19 @@ def test_step_table_prices_each_length_a_row_verified(tmp_path):
     path = tmp_path / "step_costs.json"
     path.write_text(json.dumps(costs))
     assert load_costs(str(path)) == costs
+
+
+def test_fresh_engines_merge_one_repeat_per_engine_life():
+    from benchmarks.harness.interleaved import merge_lives
+
+    def life(seconds, ratio, policy_s):
+        cell = {"key": "timed/code_heldout/b1/t0", "repeats": 1}
+        return {
+            "cell": cell, "seconds": [seconds], "tokens_per_s": [64 / seconds], "paired_ratio": [ratio],
+            "n_target": 30, "policy_timing": {"policy_s": policy_s, "propose_s": 1.0},
+        }  # fmt: skip
+
+    row = merge_lives([life(2.0, 1.5, 0.1), life(4.0, 1.7, 0.3)])
+    assert row["seconds"] == [2.0, 4.0] and row["tokens_per_s"] == [32.0, 16.0] and row["paired_ratio"] == [1.5, 1.7]
+    assert row["cell"]["repeats"] == 2 and row["engine_lives"] == 2 and row["n_target"] == 30
+    assert row["policy_timing"] == {"policy_s": pytest.approx(0.2), "propose_s": 1.0}
