@@ -50,10 +50,8 @@ class SpecCounts:
 
     def passes_by_drafts(self) -> dict[int, int]:
         """Target passes per number of drafts they verified (0: prefills, rounds that drafted nothing)."""
-        per_pos = [*self.drafted_per_pos, 0]
-        out = {0: self.n_target - per_pos[0]}
-        out |= {j + 1: per_pos[j] - per_pos[j + 1] for j in range(len(self.drafted_per_pos))}
-        return {m: n for m, n in out.items() if n}
+        drafted = lengths_from_per_pos(self.drafted_per_pos)
+        return {m: n for m, n in {0: self.n_target - sum(drafted.values()), **drafted}.items() if n}
 
     def priced_speedup(self, verify_ms: list[float], draft_ms: float) -> float:
         """S on a machine's measured step costs instead of one ratio c (`priced_speedup`)."""
@@ -90,6 +88,12 @@ class SpecCounts:
             "drafted_per_pos": list(self.drafted_per_pos),
             "accepted_per_pos": list(self.accepted_per_pos),
         }
+
+
+def lengths_from_per_pos(per_pos: list[int]) -> dict[int, int]:
+    """per_pos[j]: drafts reaching position j -> {draft length: count}."""
+    padded = [*per_pos, 0]
+    return {j + 1: padded[j] - padded[j + 1] for j in range(len(per_pos)) if padded[j] > padded[j + 1]}
 
 
 def _count_prefix(per_pos: list[int], n: int) -> None:

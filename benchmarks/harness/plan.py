@@ -191,12 +191,13 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
         for policy, setting in tuned["recommended"].items():
             t = setting["threshold"]
             name = f"{policy} {t} (tuned on train, c={c:g})"
-            configs.append(_plugin(name, policy, {"policy": policy, "threshold": t}, t))
+            alone = _plugin(name, policy, {"policy": policy, "threshold": t}, t)
+            configs.append(alone)
             if regime:  # the same rule with the batch gate on, deciding on the regime's costs (--costs)
                 gated = f"{policy} {t} gated (tuned on train, c={c:g})"
                 configs.append(_plugin(gated, policy, {"policy": policy, "threshold": t}, t, timed=True))
                 # ... and the rule alone under a cap of 8, which it rarely reaches: what the cap costs
-                configs.append(replace(configs[-2], name=f"{name}, cap 8", k=8))
+                configs.append(replace(alone, name=f"{name}, cap 8", k=8))
     if regime:
         configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs

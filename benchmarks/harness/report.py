@@ -159,7 +159,7 @@ def batch_forwards(row: dict, cfg: dict) -> float | None:
     vLLM's own loop runs K every step (dynamic SD's K moves with the batch: None); a DFlash drafter one."""
     hist = row.get("draft_forwards_per_step")
     if hist:
-        return float(sum(int(k) * v for k, v in hist.items()))
+        return step_table.hist_total(hist)
     if cfg["kind"] == "nospec":
         return 0.0
     if cfg["kind"] != "vllm" or cfg.get("dynamic"):

@@ -31,10 +31,15 @@ EXPLAINED = (
 )
 
 
+def hist_total(hist: dict) -> float:
+    """sum of k * steps over a per-step histogram {k: steps} (keys as JSON strings or ints)."""
+    return float(sum(int(k) * n for k, n in hist.items()))
+
+
 def _mean_kept(row: dict) -> float:
     hist = row.get("draft_len_hist") or {}
     steps = sum(hist.values())
-    return sum(int(m) * n for m, n in hist.items()) / steps if steps else float("nan")
+    return hist_total(hist) / steps if steps else float("nan")
 
 
 def _rest_per_step(row: dict) -> float:
@@ -71,7 +76,7 @@ def predict(row: dict, pts: list[tuple[float, float, str]]) -> tuple[float, floa
 
 def _forwards(row: dict) -> float:
     """Draft forwards of one run of the row."""
-    return float(sum(int(k) * n for k, n in (row.get("draft_forwards_per_step") or {}).items()))
+    return hist_total(row.get("draft_forwards_per_step") or {})
 
 
 def batch1_costs(rows: list[dict]) -> dict | None:

@@ -21,6 +21,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_adaptive_spec.config import parse_additional_config
+from vllm_adaptive_spec.metrics import lengths_from_per_pos
 
 _metrics: dict[str, Any] = {}  # created once per process; engines share them
 
@@ -40,12 +41,6 @@ def _get_metrics(cap: int) -> dict[str, Any]:
             "adaptive_spec:discard_rate", "(drafted - accepted) / generated tokens, over steps with drafts."
         )
     return _metrics
-
-
-def lengths_from_per_pos(per_pos: list[int]) -> dict[int, int]:
-    """per_pos[j]: drafts reaching position j -> {draft length: count}."""
-    padded = [*per_pos, 0]
-    return {j + 1: padded[j] - padded[j + 1] for j in range(len(per_pos)) if padded[j] > padded[j + 1]}
 
 
 class AdaptiveSpecStatLogger(StatLoggerBase):
