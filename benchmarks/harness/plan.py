@@ -384,6 +384,7 @@ def regime_plan() -> Plan:
         "no speculation",
         *(f"vLLM K={k}" for k in (1, 2, 3, 4, 6, 8)),  # K=8: a head regime (c near 10) may want long drafts
         "vLLM dynamic SD",
+        "vllm_av K=8",  # vLLM's adaptive verification (ours): what a DFlash block's cut competes with
         "svip h=0.3 (default)",
         "adaedl (default)",
         "confidence 0.4 (default)",

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.e2e
 
 CAP = 8
 DRAFTERS = ("draft_model", "eagle3")  # speculative_config.method of the bundled drafters
-# the DFlash block drafter (one forward drafts the block; the policy cuts it): the rules that read q_t
-DFLASH_POLICIES = ("fixed", "svip", "confidence", "adaedl")
+# the DFlash block drafter (one forward drafts the block; the policy cuts it): the rules that read q_t,
+# and vllm_av, which trims the block after deciding every position (one host copy of its decisions)
+DFLASH_POLICIES = ("fixed", "svip", "confidence", "adaedl", "vllm_av")
 CASES = [(method, policy) for method in DRAFTERS for policy in TRAINING_FREE_POLICIES]
 CASES += [("dflash", policy) for policy in DFLASH_POLICIES]
 ONLINE_COSTS = ("eagle3", "confidence")  # this case's batch gate measures its costs (adaptive_spec.costs)

@@ -267,6 +267,13 @@ class AdaptiveDraftLoop:
         # A parallel drafter (DFlash) drafted the whole block in the first pass: its step t reads
         # block position t, no forward; the loop and the policy's stops are the same.
         block = hidden[sample_idx].view(batch, cap, -1) if self.parallel_drafting else None  # [B, cap, hidden]
+        # ... and its logits come from one LM-head pass over the whole block, as vLLM's own DFlash
+        # proposer computes them (one pass reads the head's weights once, not once per position);
+        # position-major, so step t reads a contiguous [B, V].
+        block_logits = None
+        if block is not None:
+            flat = block.transpose(0, 1).reshape(cap * batch, -1)  # [cap * B, hidden]
+            block_logits = self.model.compute_logits(flat).view(cap, batch, -1)  # [cap, B, V]
         if block is None:
             hidden = hidden[sample_idx]  # [B, hidden]
             carried = carried[sample_idx]  # [B, hidden]
@@ -294,9 +301,10 @@ class AdaptiveDraftLoop:
         rows = _Rows(batch, hidden.device) if self.compact_drafts and block is None and batch > 1 else None
         ready = None  # the next step's inputs when they were prepared ahead
         # A block drafter's steps run no forward, so nothing waits on the decisions but the loop's exit:
-        # with prepare_ahead the policy decides every position first and the host reads them once.
+        # with prepare_ahead, or for a policy that never stops a row (it trims after the loop, e.g.
+        # vllm_av), the policy decides every position first and the host reads them once.
         deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = (
-            [] if block is not None and self.prepare_ahead else None
+            [] if block is not None and (self.prepare_ahead or self.policy.trims) else None
         )
         steps = max(limits)
         for t in range(cap):
@@ -323,6 +331,8 @@ class AdaptiveDraftLoop:
                 hidden = rows.expand("hidden", hidden)  # [B, hidden]
                 # a drafter without a separate state (a draft model) carries what it returns (_forward)
                 carried = rows.expand("carried", carried) if self.model_returns_tuple() else hidden  # [B, hidden]
+            elif block_logits is not None:
+                logits = block_logits[t]  # [B, V]
             else:
                 logits = self.model.compute_logits(hidden)  # [B, V]
             masking = grammar is not None and grammar.masks  # structured rows draw only what their grammar allows
