@@ -129,10 +129,10 @@ def _train_dflash(args: argparse.Namespace) -> None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    """Thresholds of svip and confidence for an EAGLE-3 head at one cost ratio (training/tune.py)."""
+    """Thresholds of svip and confidence for an EAGLE-3 head or a DFlash drafter (training/tune.py)."""
     import torch
 
-    from vllm_adaptive_spec.training.tune import TuneConfig, tune_eagle3
+    from vllm_adaptive_spec.training.tune import TuneConfig, tune
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -140,7 +140,7 @@ def _tune(args: argparse.Namespace) -> None:
         **{f.name: getattr(args, f.name) for f in fields(TuneConfig) if getattr(args, f.name, None) is not None}
     )
     extra = {"prompts": str(args.prompts), "max_tokens": args.max_tokens}
-    report = tune_eagle3(args.target, args.draft, _responses(args), cfg, extra)
+    report = tune(args.target, args.draft, _responses(args), cfg, extra)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     r = report["replay"]
     fixed = r["best_fixed"]
@@ -213,10 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("gamma", "estimate_momentum", "lr", "weight_decay", "warmup_frac", "val_frac"):
         df.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     df.set_defaults(run=_train_dflash)
-    tu = sub.add_parser("tune", help="svip and confidence thresholds for an EAGLE-3 head, by replay on training data")
+    tu = sub.add_parser(
+        "tune", help="svip and confidence thresholds for an EAGLE-3 head or a DFlash drafter, by replay on training"
+    )
     _common_options(tu)
     tu.add_argument(
-        "--drafter", choices=("eagle3",), default="eagle3", help="what --draft is (only EAGLE-3 head directories)"
+        "--drafter",
+        choices=("eagle3", "dflash"),
+        default="eagle3",
+        help="what --draft is: an EAGLE-3 head directory, or a DFlash block drafter's (choose it on --costs)",
     )
     tu.add_argument("--cost-ratio", dest="cost_ratio", type=float, help="c = t_T / t_D to choose for (default 4)")
     tu.add_argument(

@@ -41,8 +41,9 @@ from benchmarks.harness.plan import (
     pearl_plan,
     regime_plan,
     short_plan,
+    tuned_configs,
 )
-from benchmarks.paths import DRAFTERS, EAGLE3_ENV, REPO
+from benchmarks.paths import DFLASH_HEAD, DRAFTERS, EAGLE3_ENV, REPO
 
 
 def environment() -> dict:
@@ -257,6 +258,12 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
     kept = [c for c in plan.configs if c.name not in dropped]
     # the regime and batched plans time the heads and the tuned thresholds, with the gate and without
     extra = eagle3_head_configs(regime=args.regime or args.batched) if args.drafter == "eagle3" else []
+    if args.drafter == "dflash":  # the thresholds `tune` chose for the drafter on training responses
+        extra = [
+            replace(c, timed=bool(args.regime or args.batched))
+            for f in sorted(DFLASH_HEAD.parent.glob(f"{DFLASH_HEAD.name}.tune*.json"))
+            for c in tuned_configs(f)
+        ]
     plan.configs[:] = [replace(c, method=args.drafter) for c in kept + extra]
     if args.drafter == "dflash":
         # the drafter's runs come from its trained block; an oracle at another cap would need another block
@@ -265,6 +272,13 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
         block = load_hf_dir(DRAFTERS["dflash"])[1].block_size
         plan.oracle_ks = (block,)
         plan.configs[:] = [replace(c, k=block) if c.kind == "plugin" and c.k == CAP else c for c in plan.configs]
+        # the regime's step-table rows draft k of each block (the cap is the block; k past it goes)
+        under = f"under cap {CAP}"
+        plan.configs[:] = [
+            replace(c, name=c.name.replace(under, f"in a block of {block}")) if under in c.name else c
+            for c in plan.configs
+            if not (under in c.name and c.adaptive.get("k", 0) > block)
+        ]
         plan.notes.append(f"dflash: the oracle cuts each round's block of {block} at its accepted prefix")
         plan.notes.append(
             "dflash: S charges one draft forward per target pass, whatever the block length (the block is"

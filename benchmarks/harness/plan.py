@@ -184,23 +184,31 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
             _plugin("pacer eagle3 (no batch gate)", "pacer", {"policy": "pacer", "head": head, "batch_aware": False}),
         ]
     for path in EAGLE3_TUNED_FILES:
-        if not path.exists():
-            continue
-        tuned = json.loads(path.read_text())
-        c = tuned["config"]["cost_ratio"]
-        for policy, setting in tuned["recommended"].items():
-            t = setting["threshold"]
-            name = f"{policy} {t} (tuned on train, c={c:g})"
-            alone = _plugin(name, policy, {"policy": policy, "threshold": t}, t)
+        for alone in tuned_configs(path):
             configs.append(alone)
             if regime:  # the same rule with the batch gate on, deciding on the regime's costs (--costs)
-                gated = f"{policy} {t} gated (tuned on train, c={c:g})"
-                configs.append(_plugin(gated, policy, {"policy": policy, "threshold": t}, t, timed=True))
+                gated = alone.name.replace(" (tuned", " gated (tuned")
+                rule = {k: v for k, v in alone.adaptive.items() if k != "batch_aware"}  # the gate at its default
+                configs.append(replace(alone, name=gated, adaptive=rule, timed=True))
                 # ... and the rule alone under a cap of 8, which it rarely reaches: what the cap costs
-                configs.append(replace(alone, name=f"{name}, cap 8", k=8))
+                configs.append(replace(alone, name=f"{alone.name}, cap 8", k=8))
     if regime:
         configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs
+
+
+def tuned_configs(path: Path) -> list[Config]:
+    """svip and confidence at the thresholds a `vllm-adaptive-spec tune` report recommends (none without the
+    file), batch gate off (as sweeps): "<policy> <t> (tuned on train, c=<c>)", or "..., costs)" where the
+    report chose on a cost file's curves."""
+    if not path.exists():
+        return []
+    tuned = json.loads(path.read_text())
+    on = "costs" if tuned["config"].get("costs") else f"c={tuned['config']['cost_ratio']:g}"
+    return [
+        _plugin(f"{policy} {t} (tuned on train, {on})", policy, {"policy": policy, "threshold": t}, t)
+        for policy, t in ((p, v["threshold"]) for p, v in tuned["recommended"].items())
+    ]
 
 
 def _eagle3_tuned() -> dict[str, dict]:

@@ -98,12 +98,32 @@ def batch1_costs(rows: list[dict]) -> dict | None:
     return {"draft_step_ms": [[1, round(1e3 * b, 4)]], "verify_ms": verify}
 
 
+def block_costs(rows: list[dict]) -> dict | None:
+    """The same file from a block drafter's batch-1 cell (DFlash: one draft forward per round, whatever it
+    verifies): the round's draft side, the median over the plugin rows of their loop's time per round
+    less their policy's (`draft_step_ms`: the block's forward and its logits), and a pass over 1 + m tokens,
+    m the drafts a fixed row (vLLM's or the plugin's) verified per step, at its step time less that draft
+    side; a pass over 1 token a step of no speculation. None without a plugin row and a fixed row."""
+    timing = [t for r in rows if r["kind"] == "plugin" and (t := r.get("policy_timing") or {}).get("rounds")]
+    fixed = [r for r in rows if r.get("family") in ("fixed K", "plugin fixed") and r.get("steps") and r.get("n_draft")]
+    nospec = next((r for r in rows if r["kind"] == "nospec"), None)
+    if not timing or not fixed or nospec is None:
+        return None
+    draft = statistics.median((t["propose_s"] - t["policy_s"]) / t["rounds"] for t in timing)
+    verify = [[1.0, 1e3 * statistics.median(nospec["seconds"]) / nospec["steps"]]]
+    for r in sorted(fixed, key=lambda r: r["n_draft"] / r["steps"]):
+        ms = 1e3 * (statistics.median(r["seconds"]) / r["steps"] - draft)
+        verify.append([round(1 + r["n_draft"] / r["steps"], 2), round(ms, 4)])
+    return {"draft_step_ms": [[1, round(1e3 * draft, 4)]], "verify_ms": verify}
+
+
 def write_costs(table: dict[str, Any], out) -> list:
     """step_costs_<workload>.json in `out` for every timed batch-1 cell with a step table."""
     rows = [r for r in table["rows"] if r["cell"]["timed"] and r["cell"]["batch"] == 1]
     written = []
     for key in sorted({r["cell"]["key"] for r in rows}):
-        costs = batch1_costs([r for r in rows if r["cell"]["key"] == key])
+        here = [r for r in rows if r["cell"]["key"] == key]
+        costs = block_costs(here) if any(r.get("method") == "dflash" for r in here) else batch1_costs(here)
         if costs:
             path = out / f"step_costs_{key.split('/')[1]}.json"
             path.write_text(json.dumps(costs, indent=1) + "\n")

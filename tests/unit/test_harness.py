@@ -511,6 +511,57 @@ def test_step_table_prices_each_length_a_row_verified(tmp_path):
     assert load_costs(str(path)) == costs
 
 
+def test_a_block_drafters_cost_file_charges_one_forward_per_round(tmp_path):
+    """DFlash drafts a round in one forward: the draft side per round is the plugin rows' loop time less
+    their policy's (median), and a pass over 1 + m tokens a fixed row's step less that draft side, m the
+    drafts it verified per step (vLLM's rows have no loop timer); write_costs takes this path for dflash."""
+    from benchmarks.harness import step_table
+
+    def row(name, family, kind, steps, seconds, n_draft=0, timing=None):
+        cell = {"key": "timed/code_heldout/b1/t0", "timed": True, "batch": 1}
+        return {
+            "config": name, "family": family, "kind": kind, "cell": cell, "seconds": [seconds], "steps": steps,
+            "n_draft": n_draft, "method": "dflash", "policy_timing": timing,
+        }  # fmt: skip
+
+    rows = [
+        row("no speculation", "no speculation", "nospec", 200, 1.6),  # 8 ms a pass over 1 token
+        row("vLLM K=2", "fixed K", "vllm", 100, 2.0, 195),  # 20 ms a step, 1.95 verified
+        row("vLLM K=3", "fixed K", "vllm", 100, 2.2, 290),  # 22 ms, 2.9 verified
+        row("confidence", "confidence", "plugin", 100, 2.1, 240, {"propose_s": 0.4, "policy_s": 0.05, "rounds": 100}),
+        row("fixed 3", "plugin fixed", "plugin", 100, 2.2, 300, {"propose_s": 0.36, "policy_s": 0.01, "rounds": 100}),
+    ]  # fmt: skip
+    costs = step_table.block_costs(rows)
+    assert costs["draft_step_ms"] == [[1, pytest.approx(3.5)]]
+    assert costs["verify_ms"] == [
+        [1.0, pytest.approx(8.0)], [2.95, pytest.approx(16.5)], [3.9, pytest.approx(18.5)], [4.0, pytest.approx(18.5)]
+    ]  # fmt: skip
+    assert step_table.block_costs(rows[:3]) is None  # no plugin row: no draft side per round
+    written = step_table.write_costs({"rows": rows}, tmp_path)
+    assert [p.name for p in written] == ["step_costs_code_heldout.json"]
+    assert json.loads(written[0].read_text()) == json.loads(json.dumps(costs))
+
+
+def test_dflash_regime_rows_run_in_the_block_with_its_tuned_thresholds():
+    """--regime --drafter dflash: the step-table rows draft k of each block of 8 (k past it goes), the
+    policies' cap is the block, and the thresholds `tune` chose for the drafter join as timed rows."""
+    import argparse
+
+    from benchmarks.harness.__main__ import use_drafter
+    from benchmarks.harness.plan import regime_plan
+    from benchmarks.paths import DFLASH_HEAD
+
+    plan = regime_plan()
+    use_drafter(argparse.Namespace(drafter="dflash", regime=True, batched=False), plan)
+    by_name = {c.name: c for c in plan.configs}
+    assert by_name["plugin fixed K=3 in a block of 8"].adaptive == {"policy": "fixed", "k": 3}
+    assert by_name["plugin fixed K=3 in a block of 8"].k == 8
+    assert not any("cap 16" in n or "K=12" in n for n in by_name), sorted(by_name)
+    tuned = json.loads((DFLASH_HEAD.parent / f"{DFLASH_HEAD.name}.tune-costs.json").read_text())["recommended"]
+    row = by_name[f"confidence {tuned['confidence']['threshold']} (tuned on train, costs)"]
+    assert row.timed and row.k == 8 and row.method == "dflash" and row.adaptive["batch_aware"] is False
+
+
 def test_fresh_engines_merge_one_repeat_per_engine_life():
     from benchmarks.harness.interleaved import merge_lives
 

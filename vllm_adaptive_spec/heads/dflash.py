@@ -288,18 +288,24 @@ def load_hf_dir(
     path: str | Path, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None
 ) -> tuple[DFlashDrafter, DFlashConfig]:
     """Read a directory `save_hf_dir` wrote; embed and lm_head are the target's (the directory lacks them)."""
-    path = Path(path)
-    conf = json.loads((path / "config.json").read_text())
-    dflash = conf["dflash_config"]
-    cfg = DFlashConfig(
+    cfg = read_config(path)
+    target_tensors = dict(zip(SHARED, (embed, lm_head)))
+    return load_weights(DFlashDrafter(cfg), Path(path), target_tensors), cfg
+
+
+def read_config(path: str | Path) -> DFlashConfig:
+    """The drafter's shape from the config.json of a directory `save_hf_dir` wrote."""
+    conf = json.loads((Path(path) / "config.json").read_text())
+    dflash = conf.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise ValueError(f"{str(path)!r} is not a DFlash drafter directory (its config.json has no dflash_config)")
+    return DFlashConfig(
         **saved_shape(conf),
         num_layers=conf["num_hidden_layers"],
         block_size=dflash["block_size"] - 1,
         mask_token_id=dflash["mask_token_id"],
         target_layer_ids=tuple(dflash["target_layer_ids"]),
     )
-    target_tensors = dict(zip(SHARED, (embed, lm_head)))
-    return load_weights(DFlashDrafter(cfg), path, target_tensors), cfg
 
 
 def parameter_count(drafter: DFlashDrafter) -> int:

@@ -1,4 +1,4 @@
-"""Thresholds of the training-free policies for an EAGLE-3 head, chosen on training responses.
+"""Thresholds of the training-free policies for a drafter, chosen on training responses.
 
 SVIP's h = 0.3 and the confidence rule's 0.4 are their papers' settings for
 their drafters; how sure a head is when it is right depends on the head, and
@@ -15,6 +15,15 @@ after y_t once its entropy H(q_t) > h^2 / c_e, confidence once
 q_t(y_t) = max q_t < threshold (y_t is the greedy token). Neither ever drops
 a draft, so a round drafts up to and including its first stop. The replay
 charges no policy time (the harness measures that inside the engine).
+
+A DFlash block drafter (`drafter="dflash"`) drafts a round's whole block in
+one forward from the target's features, so the block at every round start is
+exact too (`block_features`: position t's distribution never depends on the
+drafts before it), and a cut saves verification, never draft work: each round
+is charged one draft forward whatever its length. At one c a pass costs the
+same whatever it verifies, so no cut beats the full block there; a block
+drafter's threshold is chosen on a cost file (`costs`), whose `draft_step_ms`
+then prices the block's forward.
 """
 
 from __future__ import annotations
@@ -22,29 +31,32 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vllm_adaptive_spec.heads.eagle3 import Eagle3Head, load_hf_dir
+from vllm_adaptive_spec.heads import dflash, eagle3
 from vllm_adaptive_spec.heads.fileformat import draft_identity, project_commit
-from vllm_adaptive_spec.metrics import replay_row
+from vllm_adaptive_spec.metrics import SpecCounts, modeled_speedup, priced_speedup, replay_row
 from vllm_adaptive_spec.policies.base import entropy
 from vllm_adaptive_spec.policies.costs import StepCosts, load_costs
 from vllm_adaptive_spec.training import data
+from vllm_adaptive_spec.training.eagle3 import Sequence, accepted_prefix, target_features
 from vllm_adaptive_spec.training.specdecpp import is_heldout
 from vllm_adaptive_spec.training.specdecpp_eagle3 import replay_lengths, response_chains
 
 logger = logging.getLogger(__name__)
 
 SVIP_ENTROPY_SCALE = 0.15  # c_e, the policy's default (policies/svip.py)
+DRAFTERS = ("eagle3", "dflash")  # what `drafter` directories tune reads: EAGLE-3 heads, DFlash block drafters
 
 
 @dataclass
 class TuneConfig:
-    cap: int = 16  # K: the longest round
+    drafter: str = "eagle3"  # one of DRAFTERS
+    cap: int = 16  # K: the longest round (a block drafter: at most its block)
     cost_ratio: float = 4.0  # c = t_T / t_D the threshold is chosen for
     costs: str | None = None  # a cost file (policies/costs.py): price passes by length on its batch-1 curves
     val_frac: float = 0.1  # the held-out share of the training prompts (the heads' split)
@@ -63,10 +75,28 @@ class ChainFeatures:
 
 
 @torch.no_grad()
-def chain_features(head: Eagle3Head, states: torch.Tensor, runs: torch.Tensor) -> ChainFeatures:
+def chain_features(head: eagle3.Eagle3Head, states: torch.Tensor, runs: torch.Tensor) -> ChainFeatures:
     """states [C, cap, H] (the normed state each draft's logits come from), runs [C]."""
-    logp = torch.log_softmax(head.logits(states), dim=-1, dtype=torch.float32)  # [C, cap, V]
+    return _features(head.logits(states), runs)
+
+
+def _features(logits: torch.Tensor, runs: torch.Tensor) -> ChainFeatures:
+    """logits [C, cap, V], runs [C] -> what the rules read."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [C, cap, V]
     return ChainFeatures(runs=runs, entropy=entropy(logp), q_max=logp.amax(-1).exp())
+
+
+@torch.no_grad()
+def block_features(drafter: dflash.DFlashDrafter, seq: Sequence, cap: int) -> ChainFeatures:
+    """A block drafter's first `cap` block positions at every round start of one response. Block j is
+    drafted where the target has just emitted response token j (anchor P + j), as vLLM drafts that round;
+    it predicts response tokens j + 1 .., like chain j of `response_chains`."""
+    ids, n = seq.ids, len(seq.ids)
+    anchors = torch.arange(seq.prompt_len, n - 1)  # [C]
+    logits = drafter.logits(drafter(seq.aux[None], anchors[None], ids[anchors][None])[0][:, :cap])  # [C, cap, V]
+    where = (anchors[:, None] + 1 + torch.arange(cap)[None, :]).clamp_max(n - 1)  # [C, cap]
+    runs = accepted_prefix(logits.argmax(-1), ids[where], n - 1 - anchors)  # [C]
+    return _features(logits, runs)
 
 
 def stop_lengths(stop_after: torch.Tensor) -> torch.Tensor:
@@ -91,14 +121,23 @@ def batch1_prices(costs: str, cap: int) -> tuple[list[float], float]:
     return curves.verify_list(cap + 1), curves.draft(1)
 
 
+def draft_forwards(counts: SpecCounts, responses: int, cfg: TuneConfig) -> int:
+    """What the draft side is charged for: every drawn draft (a head drafts a token per forward), or
+    one forward per round for a block drafter (the rounds: every pass but each response's prefill)."""
+    return counts.n_target - responses if cfg.drafter == "dflash" else counts.draft_cost_tokens
+
+
 def replay_rule(feats: list[ChainFeatures], lengths: list[torch.Tensor], cfg: TuneConfig, key: dict) -> dict:
     """One replay row: every chain's round length `lengths` (per response, [C]) at cap cfg.cap. With
     cfg.costs, `speedup` is S priced on the file's batch-1 curves (`speedup_at_c` keeps S at c)."""
     counts = replay_lengths([f.runs for f in feats], lengths, cfg.cap)
     row = replay_row(key, counts, cfg.cost_ratio)
+    drawn = draft_forwards(counts, len(feats), cfg)
+    row["speedup"] = round(modeled_speedup(counts.n_gen, counts.n_target, drawn, cfg.cost_ratio), 4)
     if cfg.costs:
         row["speedup_at_c"] = row["speedup"]
-        row["speedup"] = round(counts.priced_speedup(*batch1_prices(cfg.costs, cfg.cap)), 4)
+        prices = batch1_prices(cfg.costs, cfg.cap)
+        row["speedup"] = round(priced_speedup(counts.n_gen, counts.passes_by_drafts(), drawn, *prices), 4)
     return row
 
 
@@ -133,14 +172,21 @@ def objective(cfg: TuneConfig) -> str:
 def heldout_features(
     target: str | Path, drafter: str | Path, responses: list[data.Response], cfg: TuneConfig
 ) -> tuple[list[ChainFeatures], list[data.Response]]:
-    """The head's chain features on the held-out greedy training responses (at most cfg.replay_responses)."""
+    """The drafter's chain (or block) features on the held-out greedy training responses (at most
+    cfg.replay_responses)."""
     from tqdm import tqdm
 
     target_lm = data.load_causal_lm(target)
-    head, head_cfg = load_hf_dir(drafter, target_lm.get_input_embeddings().weight)
-    head.eval()
+    embed = target_lm.get_input_embeddings().weight
     held = [r for r in responses if r.mode == "greedy" and len(r.response_ids) > 2 and is_heldout(r, cfg.val_frac)]
     held = held[: cfg.replay_responses] if cfg.replay_responses else held
+    if cfg.drafter == "dflash":
+        block, block_cfg = dflash.load_hf_dir(drafter, embed, target_lm.lm_head.weight)
+        block.eval()
+        seqs = (target_features(target_lm, r, block_cfg.hf_layer_ids) for r in held)
+        return [block_features(block, s, cfg.cap) for s in tqdm(seqs, total=len(held), desc="drafter blocks")], held
+    head, head_cfg = eagle3.load_hf_dir(drafter, embed)
+    head.eval()
     feats = [
         chain_features(head, *response_chains(head, target_lm, r, cfg.cap, head_cfg.aux_layer_ids))
         for r in tqdm(held, desc="drafter chains")
@@ -148,28 +194,47 @@ def heldout_features(
     return feats, held
 
 
-def tune_eagle3(
+def for_drafter(drafter: str | Path, cfg: TuneConfig) -> TuneConfig:
+    """cfg checked against the drafter: a known kind; a block drafter's cap is at most its block."""
+    if cfg.drafter not in DRAFTERS:
+        raise ValueError(f"tune: drafter {cfg.drafter!r} is not one of {DRAFTERS}")
+    if cfg.drafter == "dflash":
+        block = dflash.read_config(drafter).block_size
+        if cfg.cap > block:
+            logger.info("tune: cap %d is past the DFlash drafter's block of %d; replaying at %d", cfg.cap, block, block)
+            cfg = replace(cfg, cap=block)
+        if not cfg.costs:
+            logger.warning(
+                "tune: at one cost ratio a block drafter's full block is never beaten (its draft costs the same "
+                "at any length, and so does a pass at one c); pass --costs to choose on a machine's step costs"
+            )
+    return cfg
+
+
+def tune(
     target: str | Path,
     drafter: str | Path,
     responses: list[data.Response],
     cfg: TuneConfig,
     extra_meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Replays the head's chains on held-out training responses; returns the report with each
-    policy's recommended threshold at cfg.cost_ratio."""
+    """Replays the drafter's chains (or blocks) on held-out training responses; returns the report with
+    each policy's recommended threshold at cfg.cost_ratio (or on cfg.costs)."""
     started = time.perf_counter()
+    cfg = for_drafter(drafter, cfg)
     if cfg.costs:
         batch1_prices(cfg.costs, cfg.cap)  # a bad file fails here, before the replay
     feats, held = heldout_features(target, drafter, responses, cfg)
     result = sweep(feats, cfg)
     recommended = {p: {"threshold": v["best"]["threshold"]} for p, v in result["policies"].items()}
+    what = "drafter's block at every round start" if cfg.drafter == "dflash" else "head's chains"
     return {
         "drafter": draft_identity(drafter),
-        "drafter_method": "eagle3",
+        "drafter_method": cfg.drafter,
         "recommended": recommended,
         "choice": (
             f"maximises modeled speedup {objective(cfg)} at cap K={cfg.cap} in an exact greedy replay of the "
-            f"head's chains on {len(held)} held-out training responses (no policy time charged)"
+            f"{what} on {len(held)} held-out training responses (no policy time charged)"
         ),
         "config": {k: v for k, v in vars(cfg).items()},
         "data": {"target": Path(str(target)).name, **data.summarize(held), **(extra_meta or {})},
