@@ -129,7 +129,7 @@ def _train_dflash(args: argparse.Namespace) -> None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    """Thresholds of svip and confidence for an EAGLE-3 head or a DFlash drafter (training/tune.py)."""
+    """Thresholds of svip and confidence for a drafter at one cost ratio or on a cost file (training/tune.py)."""
     import torch
 
     from vllm_adaptive_spec.training.tune import TuneConfig, tune
@@ -213,15 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("gamma", "estimate_momentum", "lr", "weight_decay", "warmup_frac", "val_frac"):
         df.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float)
     df.set_defaults(run=_train_dflash)
-    tu = sub.add_parser(
-        "tune", help="svip and confidence thresholds for an EAGLE-3 head or a DFlash drafter, by replay on training"
-    )
+    tu = sub.add_parser("tune", help="svip and confidence thresholds for a drafter, by replay on training data")
     _common_options(tu)
     tu.add_argument(
         "--drafter",
-        choices=("eagle3", "dflash"),
+        choices=("eagle3", "dflash", "draft_model"),
         default="eagle3",
-        help="what --draft is: an EAGLE-3 head directory, or a DFlash block drafter's (choose it on --costs)",
+        help="what --draft is: an EAGLE-3 head directory, a DFlash block drafter's (choose it on --costs), or an "
+        "independent draft model's",
     )
     tu.add_argument("--cost-ratio", dest="cost_ratio", type=float, help="c = t_T / t_D to choose for (default 4)")
     tu.add_argument(

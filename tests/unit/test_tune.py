@@ -175,3 +175,66 @@ def test_tune_a_bundled_dflash_drafter_on_the_targets_own_responses(tmp_path):
     assert set(report["recommended"]) == {"svip", "confidence"}
     assert replay["oracle"]["tau"] >= replay["best_fixed"]["tau"] > 1.0  # some drafts are accepted
     assert replay["oracle"]["speedup"] >= max(r["speedup"] for r in replay["policies"]["confidence"]["rows"])
+
+
+# -- an independent draft model: its rounds read teacher-forced --
+
+
+def tiny_draft_lm():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.unit.tiny_qwen3 import TARGET
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in TARGET.items() if k != "architectures"})).eval()
+
+
+@torch.no_grad()
+def unrolled(draft_lm, prefix: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """The draft's own greedy chain after `prefix`, as it drafts a round: (tokens, max q per step)."""
+    ids, tokens, q = list(prefix), [], []
+    for _ in range(steps):
+        p = torch.softmax(draft_lm(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+        tokens.append(int(p.argmax()))
+        q.append(float(p.max()))
+        ids.append(tokens[-1])
+    return tokens, q
+
+
+def test_draft_model_rounds_are_exact_up_to_their_first_rejected_draft():
+    """Teacher-forced features against the draft's own unrolled chain from every round start: the same
+    agreeing run, and the same distribution at every step up to and including the first rejected draft."""
+    from vllm_adaptive_spec.training import data
+    from vllm_adaptive_spec.training.tune import draft_model_features
+
+    draft_lm = tiny_draft_lm()
+    prompt = [1, 7, 11, 13]
+    greedy, _ = unrolled(draft_lm, prompt, 14)
+    response = list(greedy)
+    response[4], response[9] = (response[4] + 1) % 50, (response[9] + 1) % 50  # the target parts twice
+    cap = 4
+    f = draft_model_features(draft_lm, data.Response(prompt, response, "greedy"), cap)
+    assert f.runs.shape == (len(response) - 1,) and f.q_max.shape == (len(response) - 1, cap)
+    assert f.runs.max() == 3 and f.runs.min() == 0  # a rejection every fifth token
+    for j in range(len(response) - 1):
+        tokens, q = unrolled(draft_lm, prompt + response[: j + 1], cap)
+        left = len(response) - 1 - j  # tokens of the response after the round's bonus token
+        run = next((t for t in range(min(cap, left)) if tokens[t] != response[j + 1 + t]), min(cap, left))
+        assert f.runs[j] == run, j
+        exact = min(run + 1, cap, left)  # steps whose inputs are all the target's tokens
+        torch.testing.assert_close(f.q_max[j, :exact], torch.tensor(q[:exact]), rtol=1e-4, atol=1e-5)
+
+
+def test_tune_the_bundled_draft_model_on_the_targets_own_responses():
+    """`tune --drafter draft_model` on the toy pair: no target forward needed, a threshold per rule."""
+    from benchmarks.paths import DRAFT, TARGET
+    from vllm_adaptive_spec.training import data
+    from vllm_adaptive_spec.training.tune import tune
+
+    target = data.load_causal_lm(TARGET)
+    prompt = [1, 400, 401, 402, 403]
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
+    cfg = TuneConfig(drafter="draft_model", cap=8, val_frac=1.0, replay_responses=0, svip=(0.3,), confidence=(0.4,))
+    report = tune(TARGET, DRAFT, [data.Response(prompt, out[len(prompt) :], "greedy")], cfg)
+    assert report["drafter_method"] == "draft_model" and set(report["recommended"]) == {"svip", "confidence"}
+    assert report["replay"]["oracle"]["tau"] > 1.0 and "teacher-forced" in report["choice"]

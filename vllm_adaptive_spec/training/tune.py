@@ -24,6 +24,15 @@ is charged one draft forward whatever its length. At one c a pass costs the
 same whatever it verifies, so no cut beats the full block there; a block
 drafter's threshold is chosen on a cost file (`costs`), whose `draft_step_ms`
 then prices the block's forward.
+
+An independent draft model (`drafter="draft_model"`) is read teacher-forced,
+one forward per response (`draft_model_features`): while its chain agrees
+with the target its inputs are the target's tokens, so the runs and every
+decision up to a round's first rejected draft are exact; past it the real
+draft reads its own token, and the replay takes the round's remaining
+decisions from the teacher-forced distributions instead. That moves no
+accepted count, only how many wasted drafts a round that goes on past its
+first rejection is charged.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ from vllm_adaptive_spec.training.specdecpp_eagle3 import replay_lengths, respons
 logger = logging.getLogger(__name__)
 
 SVIP_ENTROPY_SCALE = 0.15  # c_e, the policy's default (policies/svip.py)
-DRAFTERS = ("eagle3", "dflash")  # what `drafter` directories tune reads: EAGLE-3 heads, DFlash block drafters
+# what `drafter` directories tune reads: EAGLE-3 heads, DFlash block drafters, independent draft models
+DRAFTERS = ("eagle3", "dflash", "draft_model")
 
 
 @dataclass
@@ -121,6 +131,20 @@ def batch1_prices(costs: str, cap: int) -> tuple[list[float], float]:
     return curves.verify_list(cap + 1), curves.draft(1)
 
 
+@torch.no_grad()
+def draft_model_features(draft_lm, resp: data.Response, cap: int) -> ChainFeatures:
+    """An independent draft model's round at every response position, read teacher-forced: chain j (the
+    round whose bonus token is response token j, as chain j of `response_chains`) reads at step t the
+    draft's distribution after response token j + t. Exact while the chain agrees (module docstring)."""
+    ids = torch.tensor(resp.prompt_ids + resp.response_ids)  # [L]
+    n = len(ids)
+    logits = draft_lm(input_ids=ids[None]).logits[0].float()  # [L, V]: position p predicts token p + 1
+    starts = torch.arange(len(resp.prompt_ids), n - 1)  # [C] each round's bonus token
+    where = (starts[:, None] + torch.arange(cap)[None, :]).clamp_max(n - 1)  # [C, cap] step t reads here
+    runs = accepted_prefix(logits.argmax(-1)[where], ids[(where + 1).clamp_max(n - 1)], n - 1 - starts)  # [C]
+    return _features(logits[where], runs)
+
+
 def draft_forwards(counts: SpecCounts, responses: int, cfg: TuneConfig) -> int:
     """What the draft side is charged for: every drawn draft (a head drafts a token per forward), or
     one forward per round for a block drafter (the rounds: every pass but each response's prefill)."""
@@ -172,14 +196,17 @@ def objective(cfg: TuneConfig) -> str:
 def heldout_features(
     target: str | Path, drafter: str | Path, responses: list[data.Response], cfg: TuneConfig
 ) -> tuple[list[ChainFeatures], list[data.Response]]:
-    """The drafter's chain (or block) features on the held-out greedy training responses (at most
-    cfg.replay_responses)."""
+    """The drafter's chain (block, teacher-forced round) features on the held-out greedy training responses
+    (at most cfg.replay_responses)."""
     from tqdm import tqdm
 
-    target_lm = data.load_causal_lm(target)
-    embed = target_lm.get_input_embeddings().weight
     held = [r for r in responses if r.mode == "greedy" and len(r.response_ids) > 2 and is_heldout(r, cfg.val_frac)]
     held = held[: cfg.replay_responses] if cfg.replay_responses else held
+    if cfg.drafter == "draft_model":  # the target's responses are all it reads of the target
+        draft_lm = data.load_causal_lm(drafter)
+        return [draft_model_features(draft_lm, r, cfg.cap) for r in tqdm(held, desc="draft rounds")], held
+    target_lm = data.load_causal_lm(target)
+    embed = target_lm.get_input_embeddings().weight
     if cfg.drafter == "dflash":
         block, block_cfg = dflash.load_hf_dir(drafter, embed, target_lm.lm_head.weight)
         block.eval()
@@ -218,8 +245,8 @@ def tune(
     cfg: TuneConfig,
     extra_meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Replays the drafter's chains (or blocks) on held-out training responses; returns the report with
-    each policy's recommended threshold at cfg.cost_ratio (or on cfg.costs)."""
+    """Replays the drafter's rounds on held-out training responses; returns the report with each
+    policy's recommended threshold at cfg.cost_ratio (or on cfg.costs)."""
     started = time.perf_counter()
     cfg = for_drafter(drafter, cfg)
     if cfg.costs:
@@ -227,7 +254,10 @@ def tune(
     feats, held = heldout_features(target, drafter, responses, cfg)
     result = sweep(feats, cfg)
     recommended = {p: {"threshold": v["best"]["threshold"]} for p, v in result["policies"].items()}
-    what = "drafter's block at every round start" if cfg.drafter == "dflash" else "head's chains"
+    what = {
+        "dflash": "drafter's block at every round start",
+        "draft_model": "draft model's rounds, read teacher-forced (exact up to each round's first rejected draft)",
+    }.get(cfg.drafter, "head's chains")
     return {
         "drafter": draft_identity(drafter),
         "drafter_method": cfg.drafter,
