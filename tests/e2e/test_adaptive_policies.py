@@ -4,6 +4,8 @@ loop): lossless greedy output, statistics, policy timing, early exit."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import vllm_run
@@ -20,7 +22,7 @@ from tests.conftest import (
     spec_config,
 )
 from vllm_adaptive_spec.config import BASELINES
-from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS
+from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS, load_costs
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +83,7 @@ def test_lossless_batch_of_one(policy_llm, lossless_prompts, lossless_reference)
         assert got == lossless_reference[i : i + 1], f"prompt {i}: " + first_mismatch(got, lossless_reference[i:])
 
 
-def test_statistics_and_draft_lengths(policy_llm):
+def test_statistics_and_draft_lengths(policy_llm, tmp_path):
     (method, policy), llm = policy_llm
     (snap,) = released_stats(llm)
     work = snap["workload"]
@@ -108,6 +110,10 @@ def test_statistics_and_draft_lengths(policy_llm):
         measured = snap["gate_costs"]["measured"]
         assert measured["verify_ms"] and measured["draft_step_ms"], snap["gate_costs"]
         assert snap["gate_costs"]["curves"] != DEFAULT_COSTS
+        # ... and they are a cost file as they stand (`tune --costs`, `adaptive_spec.costs`)
+        path = tmp_path / "online_costs.json"
+        path.write_text(json.dumps(snap["gate_costs"]["curves"]))
+        assert load_costs(str(path)) == snap["gate_costs"]["curves"]
     else:
         assert "gate_costs" not in snap
 
