@@ -132,10 +132,11 @@ def _tune(args: argparse.Namespace) -> None:
     """Thresholds of svip and confidence for a drafter at one cost ratio or on a cost file (training/tune.py)."""
     import torch
 
-    from vllm_adaptive_spec.training.tune import TuneConfig, tune
+    from vllm_adaptive_spec.training.tune import TuneConfig, drafter_kind, tune
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.drafter = args.drafter or drafter_kind(args.draft)
     cfg = TuneConfig(
         **{f.name: getattr(args, f.name) for f in fields(TuneConfig) if getattr(args, f.name, None) is not None}
     )
@@ -218,9 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument(
         "--drafter",
         choices=("eagle3", "dflash", "draft_model"),
-        default="eagle3",
         help="what --draft is: an EAGLE-3 head directory, a DFlash block drafter's (choose it on --costs), or an "
-        "independent draft model's",
+        "independent draft model's (default: read from its config.json)",
     )
     tu.add_argument("--cost-ratio", dest="cost_ratio", type=float, help="c = t_T / t_D to choose for (default 4)")
     tu.add_argument(

@@ -148,10 +148,22 @@ def test_tune_checks_the_drafter(tmp_path):
     assert for_drafter(path, TuneConfig(drafter="dflash", cap=2, costs="x.json")).cap == 2
     (tmp_path / "head").mkdir()
     (tmp_path / "head" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    with pytest.raises(ValueError, match="not a DFlash drafter directory"):
+    with pytest.raises(ValueError, match="holds an eagle3 drafter, not 'dflash': pass --drafter eagle3"):
         for_drafter(tmp_path / "head", TuneConfig(drafter="dflash"))
     with pytest.raises(ValueError, match="drafter 'mtp'"):
         for_drafter(path, TuneConfig(drafter="mtp"))
+
+
+def test_the_drafter_kind_is_read_from_its_directory(tmp_path):
+    """What `tune` replays, from config.json (the CLI's default for --drafter): the bundled drafters."""
+    from benchmarks.paths import DFLASH_HEAD, DRAFT, EAGLE3_HEAD
+    from vllm_adaptive_spec.training.tune import drafter_kind, for_drafter
+
+    assert [drafter_kind(d) for d in (EAGLE3_HEAD, DFLASH_HEAD, DRAFT)] == ["eagle3", "dflash", "draft_model"]
+    with pytest.raises(ValueError, match="holds a draft_model drafter, not 'eagle3': pass --drafter draft_model"):
+        for_drafter(DRAFT, TuneConfig())
+    with pytest.raises(ValueError, match="no readable config.json"):
+        drafter_kind(tmp_path)
 
 
 def test_tune_a_bundled_dflash_drafter_on_the_targets_own_responses(tmp_path):

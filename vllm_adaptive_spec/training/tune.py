@@ -38,6 +38,7 @@ first rejection is charged.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -221,10 +222,30 @@ def heldout_features(
     return feats, held
 
 
+def drafter_kind(drafter: str | Path) -> str:
+    """What a drafter directory holds, from its config.json: one of DRAFTERS."""
+    try:
+        conf = json.loads((Path(drafter) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tune: --draft {str(drafter)!r} has no readable config.json ({exc})") from None
+    if "dflash_config" in conf:
+        return "dflash"
+    if "eagle_aux_hidden_state_layer_ids" in conf or any("Eagle" in a for a in conf.get("architectures") or ()):
+        return "eagle3"
+    return "draft_model"
+
+
 def for_drafter(drafter: str | Path, cfg: TuneConfig) -> TuneConfig:
-    """cfg checked against the drafter: a known kind; a block drafter's cap is at most its block."""
+    """cfg checked against the drafter: a known kind that matches the directory; a block drafter's cap is
+    at most its block."""
     if cfg.drafter not in DRAFTERS:
         raise ValueError(f"tune: drafter {cfg.drafter!r} is not one of {DRAFTERS}")
+    kind = drafter_kind(drafter)
+    if kind != cfg.drafter:
+        raise ValueError(
+            f"tune: --draft {str(drafter)!r} holds {'an' if kind == 'eagle3' else 'a'} {kind} drafter, not "
+            f"{cfg.drafter!r}: pass --drafter {kind}"
+        )
     if cfg.drafter == "dflash":
         block = dflash.read_config(drafter).block_size
         if cfg.cap > block:
