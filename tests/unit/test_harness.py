@@ -576,3 +576,42 @@ def test_fresh_engines_merge_one_repeat_per_engine_life():
     assert row["seconds"] == [2.0, 4.0] and row["tokens_per_s"] == [32.0, 16.0] and row["paired_ratio"] == [1.5, 1.7]
     assert row["cell"]["repeats"] == 2 and row["engine_lives"] == 2 and row["n_target"] == 30
     assert row["policy_timing"] == {"policy_s": pytest.approx(0.2), "propose_s": 1.0}
+
+
+def test_rescore_prices_the_counts_of_record_at_a_timed_runs_c_and_f():
+    """Counts of one report at another run's measured batch-1 c, each adaptive row charged the f measured
+    for the same configuration there; rows the timed run did not time are left out, not charged."""
+    from benchmarks.harness.rescore import rescore
+
+    count = _cell("count", 8)  # the count cell of _results()
+    counts = report.tabulate(
+        [
+            *_results()[:3],
+            {"config": _cfg("conf", "plugin", "confidence"),
+             "cells": [_row(count, 0.1, 6, n_draft=12, n_acc=10)]},
+            {"config": _cfg("untimed", "plugin", "svip"), "cells": [_row(count, 0.1, 6, n_draft=12, n_acc=10)]},
+            {"config": _cfg("oracle", "oracle", "oracle"),
+             "replay": [{"cell": count, "k": 16, "oracle": True, "n_gen": 16, "n_target": 4, "n_draft": 12,
+                         "n_accepted": 12}]},
+        ]
+    )  # fmt: skip
+    timed = {
+        "cost_ratios": {"timed/code_heldout/b1/t0": {"c": 2.0}},
+        "rows": [{"config": "conf", "cell": _cell("timed", 1), "kind": "plugin",
+                  "policy_cost_frac_of_draft_step": 0.5}],
+    }  # fmt: skip
+    (cell,) = rescore(counts, timed).values()
+    assert cell["c"] == 2.0
+    rows = {r["config"]: r for r in cell["rows"]}
+    assert "untimed" not in rows
+    # vLLM K=2 on the count cell: 1 / (8/16 + 16/16 / 2) = 1.0; K=4: 1 / (0.5 + 2 / 2) = 0.667
+    at_c = cell["S_measured_c"]
+    assert at_c["best_fixed_K"] == pytest.approx(1.0)
+    # conf: N_T 6 of 16 tokens, 12 drafts at f = 0.5: 1 / (6/16 + (12/16) (1 + 0.5) / 2)
+    conf = rows["conf"]["S_measured_c"]
+    assert conf["S"] == pytest.approx(1 / (6 / 16 + 12 / 16 * 1.5 / 2))
+    assert at_c["oracle"] == pytest.approx(1 / (4 / 16 + 12 / 16 / 2))
+    assert conf["oracle_gain_share"] == pytest.approx((conf["S"] - 1.0) / (at_c["oracle"] - 1.0))
+    # at c = 4 the same f: the timed run's, not the count cell's own
+    assert rows["conf"]["S_c4"]["S"] == pytest.approx(1 / (6 / 16 + 12 / 16 * 1.5 / 4))
+    assert any("captures" in line and "measured c" in line for line in cell["lines"])
