@@ -7,7 +7,15 @@ With `--ab`, no profiler: every engine of `AB_ENGINES` lives in this process at 
 turns serving the same 32 prompts (order rotated each repeat); prints and saves (DIR/ab.json) each
 engine's median seconds and its per-repeat speed ratios to the first engine (vLLM's own loop at
 `--k`). One process with no engine-core or worker processes beside it is the quietest setting this
-machine has for a few-percent difference.
+machine has for a few-percent difference. `--engines FILE` replaces `AB_ENGINES` (JSON: name ->
+[cap K, 0 for --k, null for no speculation; adaptive_spec or null]), `--prompts N --family F` the
+workload, and `--multiprocess` gives every engine its own engine-core process, as the harness runs
+them. Plugin engines with `time_policy` also report their draft side per round and forwards per round.
+
+    VLLM_ADAPTIVE_SPEC_BENCH_EAGLE3=heads/toy/eagle3-mixed .venv/bin/python -m benchmarks.loop_profile --ab \
+        --batch 1 --k 3 --repeats 7 --prompts 16 --family code_heldout \
+        --engines benchmarks/results/loop_ab_eagle3_mixed_b1/engines.json \
+        --out benchmarks/results/loop_ab_eagle3_mixed_b1/code
 
 Runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the worker's Python is
 profiled), once with `adaptive_spec` {"policy": "fixed"} and once without the plugin, serving 32
@@ -135,6 +143,8 @@ def _loop_stats(llm) -> dict:
     timing = stats.get("timing")  # with time_policy: the draft side's own clock
     if timing and timing["rounds"]:
         out["draft_ms_per_round"] = round(1e3 * timing["propose_s"] / timing["rounds"], 4)
+        out["policy_ms_per_round"] = round(1e3 * timing["policy_s"] / timing["rounds"], 4)
+        out["forwards_per_round"] = round(forwards / timing["rounds"], 4)
     return out
 
 
@@ -146,12 +156,29 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true", help="time AB_ENGINES side by side instead of profiling")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--out", type=Path, help="--ab: folder for ab.json")
+    ap.add_argument("--engines", type=Path, help="--ab: JSON name -> [cap K, adaptive_spec] instead of AB_ENGINES")
+    ap.add_argument("--prompts", type=int, default=32, help="--ab: held-out prompts served per repeat")
+    ap.add_argument("--family", default="code_heldout", help="--ab: the prompt family")
+    ap.add_argument("--multiprocess", action="store_true", help="--ab: each engine its own engine-core process")
     args = ap.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: the worker in this process
+    # before vLLM is imported: the worker in this process (or, --multiprocess, as the harness runs engines)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+    if args.multiprocess:
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # get_stats: collective_rpc with a function
     if args.ab:
-        result = ab(args.method, args.k, args.batch, args.repeats)
+        engines = AB_ENGINES
+        if args.engines:
+            engines = {name: (cap, adaptive) for name, (cap, adaptive) in json.loads(args.engines.read_text()).items()}
+        result = ab(args.method, args.k, args.batch, args.repeats, engines, args.prompts, args.family)
+        result["settings"]["multiprocess"] = args.multiprocess
         for name, row in result["engines"].items():
-            print(f"{name}: median {row['median_s']:.3f} s, {row['speed_vs_first']:.3f}x the first", flush=True)
+            loop = row.get("loop", {})
+            draft = (
+                f"; draft side {loop['draft_ms_per_round']:.3f} ms a round at {loop['forwards_per_round']:.3f} forwards"
+                if "draft_ms_per_round" in loop
+                else ""
+            )
+            print(f"{name}: median {row['median_s']:.3f} s, {row['speed_vs_first']:.3f}x the first{draft}", flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "ab.json").write_text(json.dumps(result, indent=1) + "\n")
