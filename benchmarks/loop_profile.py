@@ -13,7 +13,7 @@ workload, and `--multiprocess` gives every engine its own engine-core process, a
 them. Plugin engines with `time_policy` also report their draft side per round and forwards per round.
 
     VLLM_ADAPTIVE_SPEC_BENCH_EAGLE3=heads/toy/eagle3-mixed .venv/bin/python -m benchmarks.loop_profile --ab \
-        --batch 1 --k 3 --repeats 7 --prompts 16 --family code_heldout \
+        --batch 1 --k 3 --repeats 9 --prompts 16 --family code_heldout \
         --engines benchmarks/results/loop_ab_eagle3_mixed_b1/engines.json \
         --out benchmarks/results/loop_ab_eagle3_mixed_b1/code
 

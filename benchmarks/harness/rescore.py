@@ -99,7 +99,9 @@ def main() -> None:
             print(f"  - {line}")
         for r in res["rows"]:
             cols = [
-                f"{label} S {r[m]['S']:.3f} {r[m]['vs_best_fixed_K']:.3f}x ({r[m]['oracle_gain_share']:.1%})"
+                f"{label} S {r[m]['S']:.3f}"
+                + ("" if r[m]["vs_best_fixed_K"] is None else f" {r[m]['vs_best_fixed_K']:.3f}x")
+                + ("" if r[m]["oracle_gain_share"] is None else f" ({r[m]['oracle_gain_share']:.1%})")
                 for m, label in ((M, "measured c:"), (M4, "c = 4:"))
             ]
             print(f"    {r['config']:40} f {r['f']:4.1%}  " + "  ".join(cols))
