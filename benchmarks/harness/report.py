@@ -399,17 +399,20 @@ def row_kinds(rows: list[dict]) -> dict[str, list[dict]]:
     }
 
 
-def best_of_kinds(rows: list[dict]) -> list[str]:
-    """One line per metric: the best fixed K (vLLM's), vllm_av and the best adaptive plugin
+BEST_OF_KINDS_METRICS = (
+    ("S_measured_c", "S at measured c"),
+    ("S_c4", "S at c = 4"),
+    ("S_batch_c4", "S per engine step at c = 4"),
+    ("speedup_vs_no_spec", "wall"),
+)
+ORACLE_SHARE_METRICS = (("S_measured_c", "S at measured c"), ("S_step_fit", "S (+ step cost)"), ("S_c4", "S at c = 4"))
+
+
+def best_of_kinds(rows: list[dict], labels: tuple[tuple[str, str], ...] = BEST_OF_KINDS_METRICS) -> list[str]:
+    """One line per metric (column, label): the best fixed K (vLLM's), vllm_av and the best adaptive plugin
     configuration among rows of one cell (the batch-aware goal compares these three), on one drafter."""
     kinds = row_kinds(rows)
     lines = []
-    labels = (
-        ("S_measured_c", "S at measured c"),
-        ("S_c4", "S at c = 4"),
-        ("S_batch_c4", "S per engine step at c = 4"),
-        ("speedup_vs_no_spec", "wall"),
-    )
     for metric, label in labels:
         best = {k: best_by(v, metric) for k, v in kinds.items()}
         parts = [f"{k} {b['config']} {b[metric]:.3f}" for k, b in best.items() if b]
@@ -418,13 +421,15 @@ def best_of_kinds(rows: list[dict]) -> list[str]:
     return lines
 
 
-def oracle_share_lines(rows: list[dict], replay: list[dict]) -> list[str]:
-    """Per S column: the oracle (best cap) and the share of its gain over the best fixed K that the best
-    adaptive configuration captures, (S_adaptive - S_fixed) / (S_oracle - S_fixed), among one cell's rows."""
+def oracle_share_lines(
+    rows: list[dict], replay: list[dict], columns: tuple[tuple[str, str], ...] = ORACLE_SHARE_METRICS
+) -> list[str]:
+    """Per S column (column, label): the oracle (best cap) and the share of its gain over the best fixed K
+    that the best adaptive configuration captures, (S_adaptive - S_fixed) / (S_oracle - S_fixed), among
+    one cell's rows."""
     kinds = row_kinds(rows)
     oracle = [o for o in replay if o["oracle"]]
     lines = []
-    columns = (("S_measured_c", "S at measured c"), ("S_step_fit", "S (+ step cost)"), ("S_c4", "S at c = 4"))
     for metric, label in columns:
         fixed, adaptive, orc = (best_by(v, metric) for v in (kinds["fixed K"], kinds["adaptive"], oracle))
         if not (fixed and adaptive and orc):

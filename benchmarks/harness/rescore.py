@@ -26,6 +26,7 @@ from typing import Any
 from benchmarks.harness.report import C_PAPER, _charged_speedup, best_of_kinds, oracle_share_lines, row_kinds
 
 M, M4 = "S_measured_c", "S_c4"  # the timed run's c, and the papers' c = 4, each charging the timed run's f
+LABELS = ((M, "S at measured c"), (M4, "S at c = 4"))
 
 
 def timed_costs(timed: dict[str, Any]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
@@ -78,8 +79,7 @@ def rescore(counts: dict[str, Any], timed: dict[str, Any]) -> dict[str, dict[str
                     if fixed and oracle and oracle > fixed
                     else None,
                 }
-        lines = best_of_kinds(rows) + oracle_share_lines(rows, replay)
-        lines = [line for line in lines if "measured c" in line or ("c = 4" in line and "engine step" not in line)]
+        lines = best_of_kinds(rows, LABELS) + oracle_share_lines(rows, replay, LABELS)
         out[key] = {"c": c, **summary, "rows": table, "lines": lines}
     return out
 
