@@ -36,7 +36,7 @@ N_LOSSLESS = 50
 # Mixed lengths in one batch: requests finish at different steps, and some
 # have fewer tokens left than the cap.
 MIXED_MAX_TOKENS = [(3, 17, 40, 64, 1)[i % 5] for i in range(N_LOSSLESS)]
-TRAINING_FREE_POLICIES = ["adaedl", "confidence", "fixed", "heuristic", "svip", "vllm_av"]
+TRAINING_FREE_POLICIES = ["adaedl", "confidence", "copy", "fixed", "heuristic", "svip", "vllm_av"]
 
 
 def make_llm(**kwargs):

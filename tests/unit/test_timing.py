@@ -41,3 +41,24 @@ def test_stats_snapshot_carries_timing_only_when_on():
     assert "timing" not in book.snapshot()
     book.clock = Clock()
     assert book.snapshot()["timing"]["policy_share"] is None  # nothing proposed yet
+
+
+def test_timed_policy_passes_on_every_hook_and_flag_of_a_policy():
+    """Regression: the wrapper did not pass on `reads_tokens`/`observe_tokens`, so the harness (which
+    times every plugin configuration) ran `copy` with an empty context index: a rule of q alone."""
+    from vllm_adaptive_spec.policies.base import StopPolicy
+    from vllm_adaptive_spec.policies.copy import CopyPolicy
+
+    helpers = {"no_stop", "check_engine"}  # used inside a policy's own calls / on the class at start-up
+    hooks = {n for n, v in vars(StopPolicy).items() if callable(v) and not n.startswith("_")} - helpers
+    assert hooks - set(vars(TimedPolicy)) == set()
+    flags = {n for n, v in vars(StopPolicy).items() if isinstance(v, bool)}
+    timed = TimedPolicy(CopyPolicy(threshold=0.9), Clock())
+    assert flags and all(getattr(timed, n) == getattr(timed.inner, n) for n in flags) and timed.reads_tokens
+    timed.observe_tokens(["a"], [[5, 6, 7, 5, 6]])
+    assert timed.tokens_seen("a") == 5
+    timed.round_limits(["a"], 4)
+    logp = torch.full((1, 10), -10.0)  # q(y) far below the threshold: only a repeat keeps drafting
+    got = timed.decide(logp, torch.tensor([7]), 0)  # (5, 6) was followed by 7
+    assert not got.stop.item()
+    assert timed.decide(logp, torch.tensor([1]), 1).stop.item()  # (6, 7) -> 5 was seen, 1 was not

@@ -143,6 +143,22 @@ class AdaptiveDraftLoop:
             if self.grammar is not None:
                 self.grammar.forget(req_id)
 
+    def _feed_tokens(self, req_ids: list[str], generated: list[int]) -> None:
+        """A policy that reads its requests' tokens (reads_tokens) gets what each gained since it last
+        read: the runner's prompt and output (the output before this step) and this step's tokens."""
+        host = self._sampled.tolist() if self._sampled is not None else None  # [B, K+1]
+        new: list[list[int]] = []
+        for i, req_id in enumerate(req_ids):
+            state = self.runner.requests.get(req_id)
+            if state is None:
+                new.append([])
+                continue
+            prompt, output = state.prompt_token_ids or [], state.output_token_ids
+            seen = self.policy.tokens_seen(req_id)
+            head = [*prompt[seen:], *output] if seen < len(prompt) else list(output[seen - len(prompt) :])
+            new.append(head + (host[i][: generated[i]] if host is not None else []))
+        self.policy.observe_tokens(req_ids, new)
+
     def _round_limits(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
         """Per request: the policy's length bound, never past max_tokens or the model length."""
         limits = self.policy.round_limits(req_ids, cap)
@@ -228,6 +244,8 @@ class AdaptiveDraftLoop:
         generated = self._end_of_verification(req_ids)
         steady = self._meter_pass(req_ids, generated)
         steps_start: float | None = None  # when the draft steps after the first pass began (steady rounds)
+        if self.policy.reads_tokens:
+            self._feed_tokens(req_ids, generated)
         limits = self._round_limits(req_ids, generated, cap)
         gate = self.gate
         if gate is not None:

@@ -3,6 +3,7 @@
 from vllm_adaptive_spec.policies.adaedl import AdaEdlPolicy
 from vllm_adaptive_spec.policies.base import StepDecision, StopPolicy, entropy
 from vllm_adaptive_spec.policies.confidence import ConfidencePolicy
+from vllm_adaptive_spec.policies.copy import CopyPolicy
 from vllm_adaptive_spec.policies.fixed import FixedPolicy
 from vllm_adaptive_spec.policies.heuristic import HeuristicPolicy
 from vllm_adaptive_spec.policies.pacer import PacerPolicy
@@ -18,6 +19,7 @@ POLICY_CLASSES: dict[str, type[StopPolicy]] = {
         SvipPolicy,
         AdaEdlPolicy,
         ConfidencePolicy,
+        CopyPolicy,
         HeuristicPolicy,
         SpecDecPPPolicy,
         PacerPolicy,

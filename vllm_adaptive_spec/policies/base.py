@@ -101,6 +101,16 @@ class StopPolicy:
         first round) consumed at rows starts[i]..starts[i]+lengths[i]-1, the first
         at sequence position positions[i]. Rows of rejected drafts are excluded."""
 
+    reads_tokens = False  # True: the proposer calls observe_tokens at each round start
+
+    def tokens_seen(self, req_id: str) -> int:
+        """(reads_tokens) How many of the request's tokens (prompt, then output) the policy has read."""
+        return 0
+
+    def observe_tokens(self, req_ids: list[str], new: list[list[int]]) -> None:
+        """(reads_tokens) Before round_limits: each request's tokens after the first tokens_seen of
+        them, up to and including this step's."""
+
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:

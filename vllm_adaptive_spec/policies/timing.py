@@ -53,6 +53,7 @@ class TimedPolicy(StopPolicy):
         self.name = inner.name
         self.observes_context = inner.observes_context
         self.trims = inner.trims
+        self.reads_tokens = inner.reads_tokens
 
     def _start(self) -> float:
         if self._sync is not None:
@@ -82,6 +83,14 @@ class TimedPolicy(StopPolicy):
     def observe_context(self, req_ids, hidden, starts, lengths, positions) -> None:
         start = self._start()
         self.inner.observe_context(req_ids, hidden, starts, lengths, positions)
+        self._stop(start)
+
+    def tokens_seen(self, req_id: str) -> int:
+        return self.inner.tokens_seen(req_id)
+
+    def observe_tokens(self, req_ids: list[str], new: list[list[int]]) -> None:
+        start = self._start()
+        self.inner.observe_tokens(req_ids, new)
         self._stop(start)
 
     def decide(self, logp, tokens, t, hidden=None) -> StepDecision:
