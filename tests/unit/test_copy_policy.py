@@ -86,3 +86,18 @@ def test_the_replay_reads_the_same_repeats_as_the_policy():
         got = [not pol.decide(_logp([0.5], [y]), torch.tensor([y]), t).stop.item() for t, y in enumerate(chain)]
         assert got == want[row].tolist(), (s, chain)
     assert 0 < want.float().mean() < 1
+
+
+def test_the_gate_sees_a_repeated_draft_as_a_sure_one():
+    from vllm_adaptive_spec.policies.base import StopPolicy
+    from vllm_adaptive_spec.policies.copy import REPEAT_LOG_Q
+
+    pol = CopyPolicy(threshold=0.7)
+    pol.observe_tokens(["a", "b", "c"], [[1, 2, 3, 1, 2], [1, 2, 3, 1, 2], [5, 6]])
+    pol.round_limits(["a", "b", "c"], 4)
+    q = [0.1, 0.1, 0.1]
+    pol.decide(_logp(q, [3, 4, 3]), torch.tensor([3, 4, 3]), 0)  # a repeats; b and c do not
+    top = torch.tensor([math.log(0.1), math.log(0.1), math.log(0.99)])
+    got = pol.gate_top(top)
+    assert got.tolist() == pytest.approx([REPEAT_LOG_Q, math.log(0.1), math.log(0.99)])
+    assert torch.equal(StopPolicy().gate_top(top), top)  # other policies: q alone

@@ -375,7 +375,7 @@ class AdaptiveDraftLoop:
             top = None
             if gate is not None:
                 with self._timed():
-                    top = draft_top(logp, tokens, greedy=temperature is None)  # [B] log q_max
+                    top = self.policy.gate_top(draft_top(logp, tokens, greedy=temperature is None))  # [B]
             tokens_per_step.append(tokens)
             if draft_probs is not None:
                 probs_per_step.append(draft_probs)

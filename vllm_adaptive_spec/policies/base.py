@@ -111,6 +111,13 @@ class StopPolicy:
         """(reads_tokens) Before round_limits: each request's tokens after the first tokens_seen of
         them, up to and including this step's."""
 
+    def gate_top(self, top: torch.Tensor) -> torch.Tensor:
+        """The batch gate's evidence for the step just decided: top [B] = log q_max of each row
+        (`batch_gate.draft_top`) -> [B], as confident as the policy judges each draft. A policy that
+        knows more than q (copy: the draft repeats its context) raises it; the gate's online estimator
+        still learns what each value means from verification."""
+        return top
+
     def decide(
         self, logp: torch.Tensor, tokens: torch.Tensor, t: int, hidden: torch.Tensor | None = None
     ) -> StepDecision:

@@ -100,6 +100,9 @@ class TimedPolicy(StopPolicy):
         self.clock.decides += 1
         return out
 
+    def gate_top(self, top: torch.Tensor) -> torch.Tensor:
+        return self.inner.gate_top(top)  # the proposer calls it inside the gate's timed block
+
     def admit(self, lengths: torch.Tensor) -> torch.Tensor:
         start = self._start()
         out = self.inner.admit(lengths)
