@@ -356,6 +356,8 @@ def batch_plan(steady: bool = False) -> Plan:
         "confidence (no batch gate)",
         "specdecpp th=0.8 (head default)",
         "batch gate alone",
+        "copy 0.7 (default)",
+        "copy (no batch gate)",
     }
     full = full_plan()
     configs = [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name in names]
@@ -428,6 +430,9 @@ def regime_plan() -> Plan:
     ]
     # a second engine of the same configuration: the spread between two engines that no repeat removes
     configs.append(Config("vLLM K=4 (twin engine)", "vllm", "engine twin", 4, sweep=4, timed=True))
+    # the gate on the regime's own costs: the bundled curves are the unscaled toy pair's (a lower c)
+    copy_online = {"policy": "copy", "costs": "online"}
+    configs.append(_plugin("copy 0.7 (online costs)", "copy online", copy_online, 0.7, timed=True))
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16), notes=notes)
