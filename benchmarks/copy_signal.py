@@ -18,7 +18,8 @@ of the round included, followed by y_t somewhere in the prompt and output up to 
 token). The responses are split in two halves by a hash of the prompt; on each, the threshold of
 confidence (stop if q_t < t) and of copy (stop if y_t repeats nothing and q_t < t) is chosen on the
 other half's replay, and scored: S at each --cost-ratio, against the best fixed K and the oracle of
-the scored half (no policy cost charged).
+the scored half (no policy cost charged). It also prints (and saves as `repeat_runs`) the acceptance of
+draft t by whether it repeats and whether every draft before it in its round did.
 """
 
 from __future__ import annotations
@@ -142,6 +143,35 @@ def score(feats, copies, cost_ratios: list[float], prompts: list[list[int]]) -> 
     return {"rows": out, "repeat_share": round(float(torch.cat([x.flatten() for x in copies]).float().mean()), 4)}
 
 
+def repeat_runs(feats, copies, steps: int = 8) -> list[dict]:
+    """Acceptance of draft t by whether it repeats and whether drafts 0..t-1 of its round all did, over
+    the chains that reached step t (drafts 0..t-1 accepted): the evidence a gate could read in a run of
+    repeats. Returns one row per (t, prior all repeats, repeats) with drafts verified and accepted."""
+    runs = torch.cat([f.runs for f in feats])  # [C] agreeing drafts from each round start
+    rep = torch.cat(copies)  # [C, cap]
+    prior = torch.cat([torch.ones_like(rep[:, :1]), torch.cumprod(rep.int(), 1)[:, :-1].bool()], 1)  # [C, cap]
+    rows = []
+    for t in range(min(steps, rep.shape[1])):
+        reached, accepted = runs >= t, runs > t
+        for all_before in (True, False):
+            for repeats_now in (True, False):
+                m = reached & (prior[:, t] == all_before) & (rep[:, t] == repeats_now)
+                n = int(m.sum())
+                if n:
+                    a = int((m & accepted).sum())
+                    rows.append(
+                        {
+                            "t": t,
+                            "prior_all_repeats": all_before,
+                            "repeats": repeats_now,
+                            "n": n,
+                            "accepted": a,
+                            "rate": round(a / n, 4),
+                        }
+                    )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", choices=("draft_model", "eagle3"), default="draft_model")
@@ -173,6 +203,12 @@ def main() -> None:
         got = [eagle3_chains(head, target_lm, cfg.aux_layer_ids, r) for r in resps]
     result = score([f for f, _ in got], [c for _, c in got], args.cost_ratios, [r.prompt_ids for r in resps])
     result["settings"] = {"drafter": args.drafter, "draft": str(args.draft or "bundled"), "responses": len(resps)}
+    result["repeat_runs"] = repeat_runs([f for f, _ in got], [c for _, c in got])
+    for row in result["repeat_runs"]:
+        print(
+            f"t={row['t']} drafts before all repeats: {row['prior_all_repeats']!s:5} repeats: {row['repeats']!s:5} "
+            f"accepted {row['accepted']}/{row['n']} = {row['rate']:.3f}"
+        )
     print(f"drafts that repeat a context trigram: {result['repeat_share']:.0%}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
