@@ -430,7 +430,8 @@ def regime_plan() -> Plan:
     ]
     # a second engine of the same configuration: the spread between two engines that no repeat removes
     configs.append(Config("vLLM K=4 (twin engine)", "vllm", "engine twin", 4, sweep=4, timed=True))
-    # the gate on the regime's own costs: the bundled curves are the unscaled toy pair's (a lower c)
+    # the gate on the regime's own costs (the bundled curves are the unscaled toy pair's, a lower c);
+    # measured on regime (b): no better than the bundled curves (README, "The copy rule in regime (b)")
     copy_online = {"policy": "copy", "costs": "online"}
     configs.append(_plugin("copy 0.7 (online costs)", "copy online", copy_online, 0.7, timed=True))
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
