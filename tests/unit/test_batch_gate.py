@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from vllm_adaptive_spec.config import AdaptiveSpecConfig, ConfigError
-from vllm_adaptive_spec.policies.acceptance import MAX_LOG_ODDS, AcceptanceTracker
+from vllm_adaptive_spec.policies.acceptance import (
+    FADE,
+    INIT_BIAS,
+    INIT_SLOPE,
+    MAX_LOG_ODDS,
+    MAX_SLOPE,
+    AcceptanceTracker,
+    BinnedAcceptanceEstimator,
+)
 from vllm_adaptive_spec.policies.batch_gate import BatchGate, draft_top
 
 # a draft step costs 1 ms at any batch size; a pass over x tokens costs 2 + 0.5 x ms
@@ -68,13 +76,14 @@ def test_gate_learns_from_verification_like_vllm_av():
         gate.after_step([_top(0.9)] * 2, [True, True], [True, True], [t + 1] * 2, t)
     gate.finish_round()
     gate.end_round(["r0", "r1"], [3, 3], [3, 0])
-    assert gate.estimator.stats[:, 5].tolist()[:3] == [2, 1, 1]
+    assert gate.estimator.seen.sum(dim=1).tolist()[:4] == [2, 1, 1, 0]  # r1 rejected at 0: later unseen
+    assert gate.estimator.accepted.sum(dim=1).tolist()[:4] == [1, 1, 1, 0]
     gate.forget("r0")
 
 
 def test_host_features_and_grading_match_the_tensor_estimator():
-    """The gate's host arithmetic (log_odds, acceptance, observe_rows) equals the tensor path of
-    vllm_av's tracker (top_log_odds, predict, observe) on the same round."""
+    """The gate's host arithmetic (log_odds, acceptance) equals the tensor path of vllm_av's tracker
+    (top_log_odds, predict) on the same round, and its estimator counts the outcomes the tracker observes."""
     top = torch.tensor([[-0.01, -0.3, -2.0], [0.0, -1e-9, math.nan], [-0.7, -0.05, -0.2]])  # [B, T]
     drafted, accepted = [3, 2, 1], [1, 2, 0]
     tensor = AcceptanceTracker(refit_interval=1000)
@@ -92,7 +101,55 @@ def test_host_features_and_grading_match_the_tensor_estimator():
     assert torch.allclose(torch.tensor(gate._preds, dtype=torch.float64), preds.double(), atol=1e-6)
     gate.finish_round()
     gate.end_round(["r2", "r0", "r1"], [drafted[2], drafted[0], drafted[1]], [accepted[2], accepted[0], accepted[1]])
-    assert torch.allclose(gate.estimator.stats, tensor.estimator.stats, rtol=1e-4, atol=1e-4)  # float32 there
+    assert gate.estimator.seen.sum(dim=1).tolist() == tensor.estimator.stats[:, 5].tolist()
+    # accepted: a at 0; b at 0 and 1 (c rejected at 0)
+    assert gate.estimator.accepted.sum(dim=1).tolist() == [2, 1, 0, 0, 0]
+
+
+def _outcomes(slope: float, intercepts: list[float], n: int, seed: int = 0) -> list:
+    """n one-draft-per-position rows drawn from p_k = sigmoid(slope f + b_k), f uniform in [-3, 3]:
+    (features, preds, accepted, admitted) as the gate grades them."""
+    g = torch.Generator().manual_seed(seed)
+    k = len(intercepts)
+    rows = []
+    for _ in range(n):
+        f = (torch.rand(k, generator=g) * 6 - 3).tolist()
+        accepted = k
+        for t in range(k):
+            if torch.rand(1, generator=g).item() >= 1 / (1 + math.exp(-(slope * f[t] + intercepts[t]))):
+                accepted = t
+                break
+        rows.append((f, [0.5] * k, accepted, k))
+    return rows
+
+
+def test_binned_estimator_recovers_a_known_model():
+    est = BinnedAcceptanceEstimator(4)
+    rows = _outcomes(1.2, [1.0, 0.5, 0.0, -0.5], 4000)
+    est.observe_rows(rows)
+    est.refit()
+    assert est.slope == pytest.approx(1.2, abs=0.1)
+    assert est.intercepts.tolist() == pytest.approx([1.0, 0.5, 0.0, -0.5], abs=0.15)
+    assert est.acceptance(0.0, 0) == pytest.approx(1 / (1 + math.exp(-est.intercepts[0].item())))
+    assert est.seen.sum().item() == pytest.approx(FADE * sum(min(a + 1, 4) for *_, a, _ in rows))  # faded
+
+
+def test_binned_estimator_stays_finite_on_separable_outcomes_and_fills_unseen_positions():
+    """Every confident draft accepted, every unsure one rejected (separable): unclamped Newton steps ran
+    the slope to 10^4 on the replay. A position never observed takes the one before it."""
+    est = BinnedAcceptanceEstimator(5)
+    rows = [([3.0, 3.0], [0.5, 0.5], 2, 2)] * 50 + [([-3.0], [0.5], 0, 1)] * 50
+    est.observe_rows(rows)
+    est.refit()
+    assert 0.0 <= est.slope <= MAX_SLOPE and torch.isfinite(est.intercepts).all()
+    assert est.acceptance(3.0, 0) > 0.9 and est.acceptance(-3.0, 0) < 0.1
+    assert est.intercepts[2:].tolist() == [est.intercepts[1].item()] * 3
+
+
+def test_binned_estimator_without_outcomes_keeps_the_cold_start():
+    est = BinnedAcceptanceEstimator(3)
+    est.refit()
+    assert est.slope == INIT_SLOPE and est.intercepts.tolist() == [INIT_BIAS] * 3
 
 
 def test_draft_top_gathers_the_greedy_token_and_takes_the_max_when_sampling():

@@ -247,7 +247,7 @@ class AdaptiveDraftLoop:
         if self.policy.reads_tokens:
             self._feed_tokens(req_ids, generated)
         limits = self._round_limits(req_ids, generated, cap)
-        gate = self.gate
+        gate = self.gate if batch >= self.policy.gate_min_rows else None
         if gate is not None:
             with self._timed():
                 if gate.one_step_round(batch):  # the gate's recent verdict: one step, no gate work

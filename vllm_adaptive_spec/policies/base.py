@@ -111,6 +111,11 @@ class StopPolicy:
         """(reads_tokens) Before round_limits: each request's tokens after the first tokens_seen of
         them, up to and including this step's."""
 
+    # The batch gate (`batch_aware`) runs on rounds of at least this many rows. 1: every round, as for a
+    # rule with no cost model of its own (the gate then decides at batch 1 too); 2: the rule decides a lone
+    # request's round by itself (copy: its rule was tuned for batch 1, and the gate only lost there).
+    gate_min_rows = 1
+
     def gate_top(self, top: torch.Tensor) -> torch.Tensor:
         """The batch gate's evidence for the step just decided: top [B] = log q_max of each row
         (`batch_gate.draft_top`) -> [B], as confident as the policy judges each draft. A policy that

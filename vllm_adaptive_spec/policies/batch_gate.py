@@ -19,7 +19,8 @@ With `compact_drafts` a draft step costs D of the rows it computes
 
 s_i is the running product of the acceptance estimates of `acceptance.py`
 (read off the draft distributions, fitted online from what the target
-accepted); p_i(t + 1) is estimated from row i's last distribution with the
+accepted: `BinnedAcceptanceEstimator`, refitted every REFIT_ROUNDS rounds);
+p_i(t + 1) is estimated from row i's last distribution with the
 intercept of the next position. D(n) and V(x) are the measured cost curves
 (`costs.py`). The gate only ever ends a round early, for all rows at once:
 every draft it leaves in place was kept by the row's own policy, and the
@@ -56,12 +57,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.policies.acceptance import OnlineAcceptanceEstimator, log_odds
+from vllm_adaptive_spec.policies.acceptance import BinnedAcceptanceEstimator, log_odds
 from vllm_adaptive_spec.policies.costs import CostMeter, StepCosts
 from vllm_adaptive_spec.policies.step import rows_to_compute
 
 HOLD_ROUNDS = 8  # a one-step verdict covers this round and the next 7 (of at least as many rows)
 HOLD_MIN_ROWS = 4  # smaller rounds never hold
+REFIT_ROUNDS = 50  # the acceptance estimator is refitted this often
 COST_REFRESH_ROUNDS = 64  # with measured costs (`online`), the curves are rebuilt this often
 
 
@@ -76,11 +78,11 @@ def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.T
 
 
 class BatchGate:
-    def __init__(self, costs: dict, refit_interval: int = 100, online: bool = False):
+    def __init__(self, costs: dict, refit_interval: int = REFIT_ROUNDS, online: bool = False):
         """costs: the cost curves (`costs.py`); online: they are only the prior, and the loop's own
         measurements (`meter`) replace them where they exist, every COST_REFRESH_ROUNDS rounds."""
         self.refit_interval = refit_interval
-        self.estimator: OnlineAcceptanceEstimator | None = None
+        self.estimator: BinnedAcceptanceEstimator | None = None
         self.costs = StepCosts(costs)
         self.meter = CostMeter(costs) if online else None
         self._metered = 0  # meter.samples when the curves were last rebuilt
@@ -113,7 +115,7 @@ class BatchGate:
         at most half of the last forward's (`rows_to_compute`)."""
         n = len(req_ids)
         if self.estimator is None or self.estimator.k < cap + 1:  # + 1: it looks one position ahead
-            self.estimator = OnlineAcceptanceEstimator(cap + 1)
+            self.estimator = BinnedAcceptanceEstimator(cap + 1)
         self._req_ids = list(req_ids)
         self._features, self._preds = [[] for _ in range(n)], [[] for _ in range(n)]
         self._surv, self._gain = [1.0] * n, float(n)

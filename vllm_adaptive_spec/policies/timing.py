@@ -54,6 +54,7 @@ class TimedPolicy(StopPolicy):
         self.observes_context = inner.observes_context
         self.trims = inner.trims
         self.reads_tokens = inner.reads_tokens
+        self.gate_min_rows = inner.gate_min_rows
 
     def _start(self) -> float:
         if self._sync is not None:
