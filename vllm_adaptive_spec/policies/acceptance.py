@@ -57,6 +57,15 @@ def max_log_odds(logp: torch.Tensor) -> torch.Tensor:
     return top_log_odds(logp.amax(dim=-1))
 
 
+def graded_drafts(rows: list[tuple[list[float], list[float], int, int]]):
+    """The observed drafts of one round's rows (features, preds, accepted, admitted), labelled: yields
+    (position t, feature, prediction, label). A row's drafts before its first rejection are accepted (1),
+    the first rejected one rejected (0); later ones, and those past `admitted`, are unobserved."""
+    for features, preds, accepted, admitted in rows:
+        for t in range(min(len(features), accepted + 1, admitted)):
+            yield t, features[t], preds[t], 1.0 if t < accepted else 0.0
+
+
 def survival(conf: torch.Tensor) -> torch.Tensor:
     """Probability that every draft up to k is accepted. conf: [B, K] -> [B, K]."""
     return torch.cumprod(conf, dim=1)
@@ -113,17 +122,15 @@ class OnlineAcceptanceEstimator:
         """`observe` on the host, for one round's rows: (features, preds, accepted, admitted) each,
         features and preds per drafted position. Same labels and sums as `observe`."""
         sums = [[0.0] * 6 for _ in range(self.k)]
-        for features, preds, accepted, admitted in rows:
-            for t in range(min(len(features), accepted + 1, admitted)):
-                f, p = features[t], preds[t]
-                w, r = p * (1.0 - p), (1.0 if t < accepted else 0.0) - p
-                acc = sums[t]
-                acc[0] += w * f * f
-                acc[1] += w * f
-                acc[2] += w
-                acc[3] += r * f
-                acc[4] += r
-                acc[5] += 1.0
+        for t, f, p, label in graded_drafts(rows):
+            w, r = p * (1.0 - p), label - p
+            acc = sums[t]
+            acc[0] += w * f * f
+            acc[1] += w * f
+            acc[2] += w
+            acc[3] += r * f
+            acc[4] += r
+            acc[5] += 1.0
         self.stats += torch.tensor(sums, dtype=torch.float64)
 
     def refit(self) -> None:
@@ -182,15 +189,12 @@ class BinnedAcceptanceEstimator:
         return sigmoid(self.slope * f + self._host[k])
 
     def observe_rows(self, rows: list[tuple[list[float], list[float], int, int]]) -> None:
-        """One round's rows: (features, preds, accepted, admitted) each, as `OnlineAcceptanceEstimator`
-        takes them (preds unused: the refit recomputes them)."""
-        seen, acc = self.seen, self.accepted
-        for features, _preds, accepted, admitted in rows:
-            for t in range(min(len(features), accepted + 1, admitted)):
-                b = round((min(BINNED_MAX, max(-BINNED_MAX, features[t])) + BINNED_MAX) / BIN_WIDTH)
-                seen[t, b] += 1.0
-                if t < accepted:
-                    acc[t, b] += 1.0
+        """One round's rows: (features, preds, accepted, admitted) each, labelled by `graded_drafts` as
+        `OnlineAcceptanceEstimator` labels them (preds unused: the refit recomputes them)."""
+        for t, f, _p, label in graded_drafts(rows):
+            b = round((min(BINNED_MAX, max(-BINNED_MAX, f)) + BINNED_MAX) / BIN_WIDTH)
+            self.seen[t, b] += 1.0
+            self.accepted[t, b] += label
 
     def refit(self) -> None:
         n, a, f = self.seen, self.accepted, self.centers[None, :]  # [K, bins], [K, bins], [1, bins]
