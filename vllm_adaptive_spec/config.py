@@ -29,6 +29,7 @@ PLUGIN_FIELDS = (
     "compact_drafts",
     "grammar_stop",
     "grammar_mask",
+    "min_drafts",
 )
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
@@ -53,6 +54,9 @@ class AdaptiveSpecConfig:
     # under structured outputs a row's draft draws only tokens its grammar allows (integration/grammar.py);
     # needs grammar_stop; default: grammar_stop's value
     grammar_mask: bool = False
+    # every row drafts at least this many tokens (as its cap and max_tokens allow) before its policy or the
+    # gate may end its draft: for a target whose pass over a few tokens costs no more than over one
+    min_drafts: int = 0
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -94,6 +98,14 @@ class AdaptiveSpecConfig:
                 f"{CONFIG_KEY}.grammar_mask: true needs grammar_stop true (the matchers it masks with are the "
                 f"grammar stop's; grammar_stop is false{' for policy pearl' if policy == 'pearl' else ''})"
             )
+        min_drafts = raw.get("min_drafts", cls.min_drafts)
+        if isinstance(min_drafts, bool) or not isinstance(min_drafts, int) or not 0 <= min_drafts <= 64:
+            raise ConfigError(f"{CONFIG_KEY}.min_drafts: expected an integer from 0 to 64, got {min_drafts!r}")
+        if min_drafts and policy == "pearl":
+            raise ConfigError(
+                f"{CONFIG_KEY}.min_drafts: {min_drafts} does not combine with policy 'pearl' (its draft runs "
+                "ahead of the target, in a worker of its own)"
+            )
         costs = raw.get("costs")
         if costs is not None:
             if not isinstance(costs, str) or not costs:
@@ -132,6 +144,7 @@ class AdaptiveSpecConfig:
             compact_drafts=compact_drafts,
             grammar_stop=grammar_stop,
             grammar_mask=grammar_mask,
+            min_drafts=min_drafts,
         )
 
     @property

@@ -434,6 +434,12 @@ def regime_plan() -> Plan:
     # measured on regime (b): no better than the bundled curves (README, "The copy rule in regime (b)")
     copy_online = {"policy": "copy", "costs": "online"}
     configs.append(_plugin("copy 0.7 (online costs)", "copy online", copy_online, 0.7, timed=True))
+    # a floor of two drafts (adaptive_spec.min_drafts): on this CPU a target pass over 2 tokens cost more
+    # than one over 3 (README, "Where a step goes"), so a row's second draft costs its draft forward only
+    configs += [
+        _plugin(f"{name}, min 2 drafts", f"{family} min 2", {"policy": family, "min_drafts": 2}, th, timed=True)
+        for name, family, th in (("copy 0.7", "copy", 0.7), ("confidence 0.4", "confidence", 0.4))
+    ]
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]
     return Plan(configs, cells, oracle_ks=(1, 2, 3, 4, 6, 8, 12, 16), notes=notes)

@@ -382,6 +382,7 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
     lines += drift_section(table)
     lines += model_vs_wall_clock_section(table)
     lines += step_table.step_table_section(table)
+    lines += step_table.step_split_section(table)
     lines += parallel_section(table)
     return "\n".join(lines) + "\n"
 

@@ -170,3 +170,42 @@ def step_table_section(table: dict[str, Any]) -> list[str]:
                 f"{lin:.3f} | {(lin - meas) / meas:+.1%} |"
             )
     return lines
+
+
+SPLIT_EXPLAINED = (
+    "Each plugin row's step split by its own clock (per target pass, median run): the wall clock, the "
+    "draft side, and the rest; then, on steady decode rounds (the same request as the round before), the "
+    "engine's time from one round's drafts to the next round's start ('gap': the target's forward, "
+    "sampling, scheduling, the engine's output) and the target's forward inside it; 'gc' is the engine "
+    "process's garbage collection per pass. Where 'rest' grows and 'gap' does not, the time is spent "
+    "outside the engine's steady steps (prefills, the front end, waiting)."
+)
+
+
+def step_split_section(table: dict[str, Any]) -> list[str]:
+    rows = [
+        r
+        for r in table["rows"]
+        if r["cell"]["timed"] and r["cell"]["batch"] == 1 and (r.get("policy_timing") or {}).get("steady_rounds")
+    ]
+    if not rows:
+        return []
+    lines = ["", "## Where a step goes at batch 1 (the plugin's clock)", "", SPLIT_EXPLAINED]
+    for key in sorted({r["cell"]["key"] for r in rows}):
+        lines += [
+            "",
+            key.removeprefix("timed/"),
+            "",
+            "| config | drafts kept per step | wall (ms/pass) | draft side | rest | steady gap | target forward "
+            "| gap - target | gc |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in rows if r["cell"]["key"] == key):
+            t, steps = r["policy_timing"], r["steps"]
+            wall, draft = 1e3 * statistics.median(r["seconds"]) / steps, 1e3 * t["propose_s"] / steps
+            gap, target = (1e3 * t[k] / t["steady_rounds"] for k in ("steady_gap_s", "steady_target_s"))
+            lines.append(
+                f"| {r['config']} | {_mean_kept(r):.2f} | {wall:.2f} | {draft:.2f} | {wall - draft:.2f} | "
+                f"{gap:.2f} | {target:.2f} | {gap - target:.2f} | {1e3 * t['gc_s'] / steps:.3f} |"
+            )
+    return lines

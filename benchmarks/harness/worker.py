@@ -90,6 +90,7 @@ def plugin_totals(llm) -> dict[str, Any]:
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
     out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
+    timing |= {"steady_rounds": 0, "steady_gap_s": 0.0, "steady_target_s": 0.0, "gc_s": 0.0, "gc_runs": 0}
     parallel = dict.fromkeys(
         ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s", "pre_drafted"), 0.0
     )

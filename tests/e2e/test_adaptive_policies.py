@@ -101,7 +101,10 @@ def test_statistics_and_draft_lengths(policy_llm, tmp_path):
         assert lengths.get(CAP, 0) > sum(v for k, v in lengths.items() if k != CAP)
     else:
         assert len(lengths) > 1, "an adaptive policy drafts varying lengths"
-    assert snap["timing"]["decides"] > 0 and snap["timing"]["propose_s"] > 0
+    timing = snap["timing"]
+    assert timing["decides"] > 0 and timing["propose_s"] > 0
+    # the rest of a steady step, split: the target's forward (hooked) inside the engine's gap between rounds
+    assert timing["steady_rounds"] > 0 and 0 < timing["steady_target_s"] < timing["steady_gap_s"], timing
     # finished requests leave neither live statistics nor policy state behind
     assert snap["requests"] == {} and snap["tracked"] == 0, snap
     assert snap["n_finished"] > 0

@@ -54,6 +54,10 @@ def test_fixed_policy_with_k_drafts_k_under_the_cap():
         ({"policy": "svip", "grammar_mask": "yes"}, "adaptive_spec.grammar_mask: expected true or false, got 'yes'"),
         ({"policy": "svip", "grammar_stop": False, "grammar_mask": True}, "adaptive_spec.grammar_mask: true needs"),
         ({"policy": "pearl", "grammar_mask": True}, "adaptive_spec.grammar_mask: true needs grammar_stop true"),
+        ({"policy": "copy", "min_drafts": 2.0}, "adaptive_spec.min_drafts: expected an integer from 0 to 64, got 2.0"),
+        ({"policy": "copy", "min_drafts": True}, "adaptive_spec.min_drafts: expected an integer from 0 to 64, got T"),
+        ({"policy": "copy", "min_drafts": -1}, "adaptive_spec.min_drafts: expected an integer from 0 to 64, got -1"),
+        ({"policy": "pearl", "min_drafts": 2}, "adaptive_spec.min_drafts: 2 does not combine with policy 'pearl'"),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],
@@ -94,3 +98,9 @@ def test_grammar_mask_follows_the_grammar_stop_unless_set():
     assert AdaptiveSpecConfig.from_dict({"policy": "svip", "grammar_stop": False}).grammar_mask is False
     cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "grammar_mask": False})
     assert cfg.grammar_stop is True and cfg.grammar_mask is False and cfg.params == {}
+
+
+def test_min_drafts_is_a_plugin_field_off_by_default():
+    assert AdaptiveSpecConfig.from_dict({"policy": "copy"}).min_drafts == 0
+    cfg = AdaptiveSpecConfig.from_dict({"policy": "copy", "min_drafts": 2})
+    assert cfg.min_drafts == 2 and "min_drafts" not in cfg.params

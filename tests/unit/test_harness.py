@@ -495,6 +495,11 @@ def test_step_table_prices_each_length_a_row_verified(tmp_path):
     assert abs(by_line - by_table) > 0.01  # the line through a bent curve misprices the mix
     text = "\n".join(step_table.step_table_section({"rows": rows}))
     assert "| mixed | 2.50 | 1.550 | 1.550 | +0.0% |" in text
+    assert step_table.step_split_section({"rows": rows}) == []  # no steady rounds on the clock: no split
+    rows[3]["policy_timing"] |= {"steady_rounds": 90, "steady_gap_s": 0.9, "steady_target_s": 0.72, "gc_s": 0.01}
+    split = "\n".join(step_table.step_split_section({"rows": rows}))
+    # per pass 15.5 ms wall, 2.5 draft side; per steady round 10 ms gap, 8 of them the target's forward
+    assert "| mixed | 2.50 | 15.50 | 2.50 | 13.00 | 10.00 | 8.00 | 2.00 | 0.100 |" in split
 
     # as a cost file: each forward at the draft side's slope over forwards (0.1 s / 100 steps per forward
     # per step = 1 ms), a pass over 1 + m tokens at the step less its forwards, 1 token at no speculation's

@@ -105,6 +105,20 @@ def test_a_row_not_kept_stops():
     assert active == [False, True, False, False] and lengths == [0, 1, 1, 1] and drawn == [1, 1, 1, 1]
 
 
+def test_a_row_below_the_floor_keeps_its_token_and_goes_on():
+    """adaptive_spec.min_drafts: below the floor a row keeps y_t and drafts on whatever its policy said
+    (more drafts stay lossless), never past its limit; at the floor the policy decides again."""
+    from vllm_adaptive_spec.integration.proposer import _account
+
+    active, lengths, drawn = [True, True, True], [0, 0, 0], [0, 0, 0]
+    kept = _account(0, [False, True, True], [True, True, False], [8, 8, 1], active, lengths, drawn, floor=2)
+    assert kept == [True, True, True] and active == [True, True, False] and lengths == [1, 1, 1]
+    kept = _account(1, [False, True, True], [True, True, True], [8, 8, 1], active, lengths, drawn, floor=2)
+    assert kept == [True, True, False] and active == [False, False, False] and lengths == [2, 2, 1]
+    active, lengths = [True], [2]
+    assert _account(2, [False], [False], [8], active, lengths, [2], floor=2) == [False] and active == [False]
+
+
 def test_no_stop_is_one_cached_all_false_tensor_per_size():
     """The stop of policies whose rows stop exactly when they drop y_t: all False, built once per batch size
     (not one op per step), never modified by the loop (it copies decisions to the host)."""

@@ -62,3 +62,22 @@ def test_timed_policy_passes_on_every_hook_and_flag_of_a_policy():
     got = timed.decide(logp, torch.tensor([7]), 0)  # (5, 6) was followed by 7
     assert not got.stop.item()
     assert timed.decide(logp, torch.tensor([1]), 1).stop.item()  # (6, 7) -> 5 was seen, 1 was not
+
+
+def test_clock_adds_the_latest_target_forward_to_each_steady_gap_and_times_garbage_collection():
+    import gc
+
+    clock = Clock()
+    clock.last_target_s = 0.004
+    clock.add_steady_gap(0.010)
+    clock.last_target_s = 0.006
+    clock.add_steady_gap(0.012)
+    assert clock.steady_rounds == 2
+    assert clock.steady_gap_s == pytest.approx(0.022) and clock.steady_target_s == pytest.approx(0.010)
+    clock.watch_gc()
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(clock._on_gc)
+    d = clock.as_dict()
+    assert d["gc_runs"] >= 1 and d["gc_s"] > 0 and d["steady_rounds"] == 2

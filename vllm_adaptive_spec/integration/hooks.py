@@ -17,7 +17,8 @@ which does the only other two things the plugin changes, in this order:
    front of it.
 With policy `pearl` the adaptive drafter is `pearl.PearlProposer`, and the
 `_model_forward` hook (the last in `HOOKS`) starts its draft thread just
-before each target forward; for every other engine that hook does nothing.
+before each target forward; with `time_policy` it also times that forward
+(the clock's steady rounds); for every other engine it does nothing.
 Separately, `prometheus.AdaptiveSpecStatLogger` is a stat-logger plugin (a
 vLLM extension point, not a patch) that exports nothing for other engines.
 """
@@ -118,6 +119,11 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
         cfg = _off_here(
             vllm_config, cfg, field, f"adaptive_spec.{field}: true does not combine with this engine: {why}"
         )
+    if cfg.min_drafts > spec.num_speculative_tokens:
+        raise ConfigError(
+            f"adaptive_spec.min_drafts: {cfg.min_drafts} is above speculative_config.num_speculative_tokens "
+            f"(the cap K, {spec.num_speculative_tokens})"
+        )
     if cfg.policy == "pearl":
         if method != "draft_model":
             raise ConfigError(
@@ -203,13 +209,18 @@ def _release_finished_requests(original: Callable) -> Callable:
     return _update_states
 
 
-def _start_parallel_draft(original: Callable) -> Callable:
+def _around_target_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def _model_forward(self, *args, **kwargs):
-        start = getattr(getattr(self, "drafter", None), "before_target_forward", None)  # only pearl's proposer
+        drafter = getattr(self, "drafter", None)
+        start = getattr(drafter, "before_target_forward", None)  # only pearl's proposer
         if start is not None:
             start()
-        return original(self, *args, **kwargs)
+        timed = getattr(drafter, "timed_target_forward", None)  # only our proposers
+        if timed is None:
+            return original(self, *args, **kwargs)
+        with timed():
+            return original(self, *args, **kwargs)
 
     return _model_forward
 
@@ -244,8 +255,9 @@ HOOKS: tuple[Hook, ...] = (
         "GPUModelRunner",
         "_model_forward",
         "policy 'pearl': start drafting the next round on the draft thread just before the target's "
-        "forward (its inputs are final there), so that the two run at the same time",
-        _start_parallel_draft,
+        "forward (its inputs are final there), so that the two run at the same time; with "
+        "time_policy, time the target's forward (the clock's steady rounds)",
+        _around_target_forward,
     ),
 )
 

@@ -97,8 +97,10 @@ class AdaptiveDraftLoop:
         # (A block drafter drafts in one forward: nothing to compact; hooks refuse an explicit true.)
         compact = device.type != "cuda" if cfg.compact_drafts is None else cfg.compact_drafts
         self.compact_drafts = compact and not self.parallel_drafting
+        self.min_drafts = cfg.min_drafts  # no row's draft ends below this (its limit allowing)
         if cfg.time_policy:
             self.stats.clock = Clock()
+            self.stats.clock.watch_gc()
             self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
         self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
         self._verified_drafts: list[int] | None = None  # drafts each request had verified this step
@@ -218,6 +220,19 @@ class AdaptiveDraftLoop:
         self._sync()
         clock.policy_s += time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def timed_target_forward(self):
+        """Around the target's forward (hooks.py): its time, for the clock's steady rounds."""
+        clock = self.stats.clock
+        if clock is None:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        clock.last_target_s = time.perf_counter() - start
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -251,7 +266,7 @@ class AdaptiveDraftLoop:
         if gate is not None:
             with self._timed():
                 if gate.one_step_round(batch):  # the gate's recent verdict: one step, no gate work
-                    gate, limits = None, [min(n, 1) for n in limits]
+                    gate, limits = None, [min(n, max(1, self.min_drafts)) for n in limits]
 
         # First pass: the draft reads the verified tokens; its last position per row drafts token 0.
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
@@ -393,18 +408,18 @@ class AdaptiveDraftLoop:
                 grammar.refuse(toks, active, keeps, stops)
             if t == 0 and steady:
                 steps_start = time.perf_counter()  # the first pass is done; the draft steps start
-            kept = _account(t, keeps, stops, limits, active, lengths, drawn)
+            kept = _account(t, keeps, stops, limits, active, lengths, drawn, self.min_drafts)
             if gate is not None:  # ends the round for every row once another step does not pay
                 with self._timed():
                     if not gate.after_step(tops, kept, active, lengths, t):
-                        active = [False] * batch
+                        active = [a and n < self.min_drafts for a, n in zip(active, lengths)]
             if self._tp_group is not None:
                 active, lengths = self._agree(active, lengths, hidden.device)
 
         if deferred:  # one host copy of every step's decisions [2, T, B], then the same bookkeeping
             decided = torch.stack([torch.stack(step) for step in deferred], dim=1).tolist()
             for t, (keeps, stops) in enumerate(zip(*decided)):
-                _account(t, keeps, stops, limits, active, lengths, drawn)
+                _account(t, keeps, stops, limits, active, lengths, drawn, self.min_drafts)
             if self._tp_group is not None:
                 active, lengths = self._agree(active, lengths, hidden.device)
         if gate is not None:
@@ -445,25 +460,28 @@ class AdaptiveDraftLoop:
         prefill, no idle engine in between, and no request that finished last step: the engine's work
         on finished and new requests made those steps slower than their token count says). Returns
         whether this round is such a steady one (its draft steps are measured too)."""
-        meter = self._meter
-        if meter is None:
+        meter, clock = self._meter, self.stats.clock
+        if meter is None and clock is None:
             return False
         now, last, self._last_round = time.perf_counter(), self._last_round, None
         if last is None or not all(n > 0 for n in generated) or last[0] != set(req_ids):
             return False
-        tokens = len(req_ids) + sum(self._verified_drafts or ())
-        meter.add("verify_ms", tokens, 1e3 * (now - last[1]))
-        return True
+        if clock is not None:
+            clock.add_steady_gap(now - last[1])
+        if meter is not None:
+            tokens = len(req_ids) + sum(self._verified_drafts or ())
+            meter.add("verify_ms", tokens, 1e3 * (now - last[1]))
+        return meter is not None
 
     def _meter_round(self, req_ids: list[str], steps_start: float | None, forwards: int) -> None:
         """At the end of a round (after the drafts' host copy): a draft step's cost at this batch, what
         one more step adds (its forward, logits, draw, the policy and the gate), from the steps after
         the first pass (a round of one forward measures none)."""
         meter = self._meter
-        if meter is None:
+        if meter is None and self.stats.clock is None:
             return
         now = time.perf_counter()
-        if steps_start is not None and forwards > 1:
+        if meter is not None and steps_start is not None and forwards > 1:
             meter.add("draft_step_ms", len(req_ids), 1e3 * (now - steps_start) / (forwards - 1))
         self._last_round = (set(req_ids), now)
 
@@ -627,17 +645,26 @@ def _compact_metadata(
 
 
 def _account(
-    t: int, keeps: list[bool], stops: list[bool], limits: list[int], active: list[bool], lengths: list[int], drawn: list
+    t: int,
+    keeps: list[bool],
+    stops: list[bool],
+    limits: list[int],
+    active: list[bool],
+    lengths: list[int],
+    drawn: list,
+    floor: int = 0,
 ) -> list[bool]:
     """Step t's decisions for the rows still drafting: updates active, lengths and drawn (tokens drawn
-    while drafting) in place -> the rows that drafted y_t and kept it."""
+    while drafting) in place -> the rows that drafted y_t and kept it. A row below `floor` kept tokens
+    keeps y_t and goes on whatever its policy said (more drafts stay lossless: verification decides)."""
     kept = [False] * len(active)
     for i, drafting in enumerate(active):
         if drafting:
+            keep = keeps[i] or lengths[i] < floor
             drawn[i] += 1
-            kept[i] = keeps[i]
-            lengths[i] += keeps[i]
-            active[i] = keeps[i] and not stops[i] and limits[i] > t + 1
+            kept[i] = keep
+            lengths[i] += keep
+            active[i] = keep and (not stops[i] or lengths[i] < floor) and limits[i] > t + 1
     return kept
 
 

@@ -13,13 +13,22 @@ is the policy's time relative to everything else the draft side does
 torch.cuda.synchronize) makes the figures exact on an asynchronous device;
 on CPU every op is synchronous and no sync is needed. Off by default: it
 costs a few perf_counter calls per draft step, plus the syncs on a GPU.
+
+The same clock splits the rest of an engine step, to find where a step's time
+goes when the wall clock disagrees with the counts: on steady decode rounds
+(the same requests as the round before, all decoding) `steady_gap_s` is the
+time from one round's drafts to the next round's start (the target's forward,
+sampling, the scheduler, the engine's output), `steady_target_s` the target's
+forwards inside those gaps; `gc_s` is the time this process spent in Python's
+garbage collector while the clock ran (every engine in the process).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +41,30 @@ class Clock:
     propose_s: float = 0.0  # whole propose() calls, the policy's included
     rounds: int = 0
     decides: int = 0  # decide calls = draft steps of the batch
+    steady_rounds: int = 0  # rounds that followed a steady decode step
+    steady_gap_s: float = 0.0  # their engine steps outside the draft loop
+    steady_target_s: float = 0.0  # the target's forwards in those steps
+    gc_s: float = 0.0  # Python's garbage collector, this process
+    gc_runs: int = 0
+    last_target_s: float = 0.0  # the target's latest forward (a steady round adds it)
+    _gc_start: float | None = field(default=None, repr=False)
+
+    def add_steady_gap(self, seconds: float) -> None:
+        self.steady_rounds += 1
+        self.steady_gap_s += seconds
+        self.steady_target_s += self.last_target_s
+
+    def watch_gc(self) -> None:
+        """Add the garbage collector's pauses in this process to `gc_s` from now on."""
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self.gc_runs += 1
+            self._gc_start = None
 
     def as_dict(self) -> dict:
         draft_s = self.propose_s - self.policy_s
@@ -40,6 +73,11 @@ class Clock:
             "propose_s": round(self.propose_s, 6),
             "rounds": self.rounds,
             "decides": self.decides,
+            "steady_rounds": self.steady_rounds,
+            "steady_gap_s": round(self.steady_gap_s, 6),
+            "steady_target_s": round(self.steady_target_s, 6),
+            "gc_s": round(self.gc_s, 6),
+            "gc_runs": self.gc_runs,
             "policy_share": round(self.policy_s / draft_s, 5) if draft_s > 0 else None,
             "policy_us_per_decide": round(1e6 * self.policy_s / self.decides, 2) if self.decides else None,
         }

@@ -1,0 +1,56 @@
+"""adaptive_spec.min_drafts through real vLLM: a rule that would stop every row after its first draft
+(confidence at threshold 1.0: no draft is that sure) drafts at least the floor, the batch gate on, and
+stays lossless; a floor above the cap K fails at start-up naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import (
+    MIXED_MAX_TOKENS,
+    close_llm,
+    first_mismatch,
+    greedy,
+    make_llm,
+    released_stats,
+    spec_config,
+)
+
+pytestmark = pytest.mark.e2e
+FLOOR = 3
+
+
+def test_a_floor_of_drafts_is_lossless_and_drafted(lossless_prompts, lossless_reference):
+    cfg = {"policy": "confidence", "threshold": 1.0, "min_drafts": FLOOR}  # the gate at its default (on)
+    llm = make_llm(speculative_config=spec_config(), additional_config={"adaptive_spec": cfg})
+    try:
+        got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+        assert got == lossless_reference, first_mismatch(got, lossless_reference)
+        one = greedy(llm, lossless_prompts[3:4], MIXED_MAX_TOKENS[3])  # a lone request: the gate decides too
+        assert one == lossless_reference[3:4], first_mismatch(one, lossless_reference[3:])
+        (snap,) = released_stats(llm)
+    finally:
+        close_llm(llm)
+    hist = {int(k): n for k, n in snap["drafted_len_hist"].items()}
+    # shorter drafts only where max_tokens left no room for the floor (requests of 1 or 3 tokens, ends)
+    assert hist.get(FLOOR, 0) > 3 * sum(n for k, n in hist.items() if k < FLOOR), hist
+    assert max(hist) == FLOOR, hist  # ... and the rule stopped every row there
+
+
+def test_a_floor_above_the_cap_fails_at_startup():
+    from vllm_adaptive_spec import ConfigError
+    from vllm_adaptive_spec.integration.hooks import check_engine_config
+
+    class Spec:
+        method = "draft_model"
+        model = "unused"
+        num_speculative_tokens = 4
+        draft_model_config = None
+
+    class Engine:
+        additional_config = {"adaptive_spec": {"policy": "copy", "min_drafts": 5}}
+        speculative_config = Spec()
+
+    with pytest.raises(ConfigError) as err:
+        check_engine_config(Engine())
+    assert str(err.value).startswith("adaptive_spec.min_drafts: 5 is above speculative_config.num_speculative_tokens")
