@@ -195,6 +195,12 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                 configs.append(replace(alone, name=gated, adaptive=rule, timed=True))
                 # ... and the rule alone under a cap of 8, which it rarely reaches: what the cap costs
                 configs.append(replace(alone, name=f"{alone.name}, cap 8", k=8))
+                # ... and the rule alone above a floor of drafts (adaptive_spec.min_drafts): a head's draft
+                # step is cheap, so a floor near the best fixed K costs little and keeps the rule's long drafts
+                configs += [
+                    replace(alone, name=f"{alone.name}, min {n} drafts", adaptive=alone.adaptive | {"min_drafts": n})
+                    for n in (2, 4)
+                ]
     if regime:
         configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs

@@ -250,7 +250,11 @@ def test_eagle3_rows_and_their_regime_variant():
     assert all(c.timed for c in regime)
     gated = {c.name.replace(" (tuned", " gated (tuned") for c in tuned}  # the tuned rules with the gate on
     capped = {f"{c.name}, cap 8" for c in tuned}  # ... and alone under a cap of 8
-    assert {c.name for c in regime} == {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped
+    floors = {f"{c.name}, min {n} drafts" for c in tuned for n in (2, 4)}  # ... and above a floor of drafts
+    expected = {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped | floors
+    assert {c.name for c in regime} == expected
+    by_name = {c.name: c for c in regime}
+    assert all(by_name[n].adaptive["min_drafts"] == int(n[-8]) for n in floors)
     assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated)
     assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}

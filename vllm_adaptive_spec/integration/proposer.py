@@ -197,32 +197,20 @@ class AdaptiveDraftLoop:
         return out if self.model_returns_tuple() else (out, out)
 
     def propose(self, *args, **kwargs) -> list[list[int]]:
-        clock = self.stats.clock
-        if clock is None:
+        with self._clocked("propose_s"):
             return self._propose(*args, **kwargs)
-        self._sync()
-        start = time.perf_counter()
-        out = self._propose(*args, **kwargs)
-        self._sync()
-        clock.propose_s += time.perf_counter() - start
-        return out
 
-    @contextlib.contextmanager
     def _timed(self):
         """The batch gate's time counts as the policy's (time_policy): both are the plugin's overhead."""
-        clock = self.stats.clock
-        if clock is None:
-            yield
-            return
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        clock.policy_s += time.perf_counter() - start
+        return self._clocked("policy_s")
 
-    @contextlib.contextmanager
     def timed_target_forward(self):
         """Around the target's forward (hooks.py): its time, for the clock's steady rounds."""
+        return self._clocked("last_target_s", add=False)
+
+    @contextlib.contextmanager
+    def _clocked(self, field: str, add: bool = True):
+        """With time_policy: the block's wall time added to the clock's `field` (or replacing it)."""
         clock = self.stats.clock
         if clock is None:
             yield
@@ -231,7 +219,8 @@ class AdaptiveDraftLoop:
         start = time.perf_counter()
         yield
         self._sync()
-        clock.last_target_s = time.perf_counter() - start
+        took = time.perf_counter() - start
+        setattr(clock, field, (getattr(clock, field) if add else 0.0) + took)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
