@@ -119,7 +119,7 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
         cfg = _off_here(
             vllm_config, cfg, field, f"adaptive_spec.{field}: true does not combine with this engine: {why}"
         )
-    if cfg.min_drafts > spec.num_speculative_tokens:
+    if cfg.min_drafts and cfg.min_drafts > spec.num_speculative_tokens:
         raise ConfigError(
             f"adaptive_spec.min_drafts: {cfg.min_drafts} is above speculative_config.num_speculative_tokens "
             f"(the cap K, {spec.num_speculative_tokens})"
