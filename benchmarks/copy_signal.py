@@ -172,6 +172,18 @@ def repeat_runs(feats, copies, steps: int = 8) -> list[dict]:
     return rows
 
 
+def greedy_responses(ap: argparse.ArgumentParser, path: Path, prompts: Path | None) -> list[data.Response]:
+    """The toy target's greedy responses in `path`, generated through vLLM from `prompts` when missing."""
+    if not path.exists():
+        if prompts is None:
+            ap.error(f"--responses {path} does not exist; pass --prompts to generate it")
+        from vllm_adaptive_spec.integration.datagen import generate_responses
+
+        texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines() if line.strip()]
+        data.save_responses(generate_responses(TARGET, texts, 128, ("greedy",), 1.0, 0), path)
+    return [r for r in data.load_responses(path) if r.mode == "greedy" and len(r.response_ids) > 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", choices=("draft_model", "eagle3"), default="draft_model")
@@ -184,15 +196,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not args.responses.exists():
-        if args.prompts is None:
-            ap.error(f"--responses {args.responses} does not exist; pass --prompts to generate it")
-        from vllm_adaptive_spec.integration.datagen import generate_responses
-
-        prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
-        data.save_responses(generate_responses(TARGET, prompts, 128, ("greedy",), 1.0, 0), args.responses)
-    resps = [r for r in data.load_responses(args.responses) if r.mode == "greedy" and len(r.response_ids) > 2]
-    resps = resps[: args.n]
+    resps = greedy_responses(ap, args.responses, args.prompts)[: args.n]
     if args.drafter == "draft_model":
         lm = data.load_causal_lm(args.draft or DRAFT)
         got = [draft_model_chains(lm, r) for r in resps]

@@ -29,7 +29,10 @@ STRUCTURED_JSON = {
 
 
 def spec_config(k: int, method: str = "draft_model") -> dict:
-    """Speculation with the bundled drafter of `method` (benchmarks.paths.DRAFTERS), cap K."""
+    """Speculation with the bundled drafter of `method` (benchmarks.paths.DRAFTERS), cap K; "ngram" is
+    vLLM's prompt lookup (no drafter), matching the context's last 2-4 tokens."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     return {"method": method, "model": str(DRAFTERS[method]), "num_speculative_tokens": k}
 
 

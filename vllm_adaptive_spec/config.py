@@ -30,6 +30,7 @@ PLUGIN_FIELDS = (
     "grammar_stop",
     "grammar_mask",
     "min_drafts",
+    "context_tail",
 )
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
@@ -57,6 +58,9 @@ class AdaptiveSpecConfig:
     # every row drafts at least this many tokens (as its cap and max_tokens allow) before its policy or the
     # gate may end its draft: for a target whose pass over a few tokens costs no more than over one
     min_drafts: int = 0
+    # after a round's drafts, up to this many more that the request's context predicts (prompt lookup), free
+    # of draft forwards; a row whose context predicts its next token drafts one token first (policies/tail.py)
+    context_tail: int = 0
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -98,14 +102,8 @@ class AdaptiveSpecConfig:
                 f"{CONFIG_KEY}.grammar_mask: true needs grammar_stop true (the matchers it masks with are the "
                 f"grammar stop's; grammar_stop is false{' for policy pearl' if policy == 'pearl' else ''})"
             )
-        min_drafts = raw.get("min_drafts", cls.min_drafts)
-        if isinstance(min_drafts, bool) or not isinstance(min_drafts, int) or not 0 <= min_drafts <= 64:
-            raise ConfigError(f"{CONFIG_KEY}.min_drafts: expected an integer from 0 to 64, got {min_drafts!r}")
-        if min_drafts and policy == "pearl":
-            raise ConfigError(
-                f"{CONFIG_KEY}.min_drafts: {min_drafts} does not combine with policy 'pearl' (its draft runs "
-                "ahead of the target, in a worker of its own)"
-            )
+        min_drafts = _draft_count(raw, "min_drafts", policy)
+        context_tail = _draft_count(raw, "context_tail", policy)
         costs = raw.get("costs")
         if costs is not None:
             if not isinstance(costs, str) or not costs:
@@ -145,6 +143,7 @@ class AdaptiveSpecConfig:
             grammar_stop=grammar_stop,
             grammar_mask=grammar_mask,
             min_drafts=min_drafts,
+            context_tail=context_tail,
         )
 
     @property
@@ -165,6 +164,20 @@ class AdaptiveSpecConfig:
     @property
     def is_fixed(self) -> bool:
         return self.policy == "fixed"
+
+
+def _draft_count(raw: Mapping, name: str, policy: str) -> int:
+    """A plugin field counting drafts (min_drafts, context_tail): an integer from 0 (off) to 64, which
+    pearl's draft, running ahead of the target in a worker of its own, cannot take."""
+    value = raw.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+        raise ConfigError(f"{CONFIG_KEY}.{name}: expected an integer from 0 to 64, got {value!r}")
+    if value and policy == "pearl":
+        raise ConfigError(
+            f"{CONFIG_KEY}.{name}: {value} does not combine with policy 'pearl' (its draft runs "
+            "ahead of the target, in a worker of its own)"
+        )
+    return value
 
 
 def _loop_option(raw: Mapping, key: str, policy: str, pearl_why: str) -> bool | None:

@@ -25,6 +25,7 @@ class SpecCounts:
     n_draft: int = 0  # draft tokens proposed
     n_accepted: int = 0  # draft tokens accepted
     n_drawn: int = 0  # draft tokens computed, verified or dropped (0: not recorded, then N_D)
+    n_tail: int = 0  # of N_D, the context tail's: tokens the request's context predicted, no draft forward
     accepted_hist: Counter = field(default_factory=Counter)  # accepted length per step -> steps
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] steps whose draft j was accepted
     drafted_per_pos: list[int] = field(default_factory=list)  # [K] steps that drafted a token at j
@@ -42,8 +43,8 @@ class SpecCounts:
         return self.n_target / self.n_gen if self.n_gen else float("nan")
 
     @property
-    def draft_cost_tokens(self) -> int:  # what the draft side is charged for: N_drawn, else N_D
-        return max(self.n_drawn, self.n_draft)
+    def draft_cost_tokens(self) -> int:  # what the draft side is charged for: N_drawn, else N_D (less the tail)
+        return max(self.n_drawn, self.n_draft - self.n_tail)
 
     def modeled_speedup(self, c: float, overhead: float = 0.0) -> float:
         return modeled_speedup(self.n_gen, self.n_target, self.draft_cost_tokens, c, overhead)
@@ -63,6 +64,7 @@ class SpecCounts:
         self.n_draft += other.n_draft
         self.n_accepted += other.n_accepted
         self.n_drawn += other.n_drawn
+        self.n_tail += other.n_tail
         self.accepted_hist.update(other.accepted_hist)
         self.accepted_per_pos = _add_lists(self.accepted_per_pos, other.accepted_per_pos)
         self.drafted_per_pos = _add_lists(self.drafted_per_pos, other.drafted_per_pos)
@@ -84,6 +86,7 @@ class SpecCounts:
             "n_draft": self.n_draft,
             "n_accepted": self.n_accepted,
             "n_drawn": self.n_drawn,
+            "n_tail": self.n_tail,
             "accepted_hist": dict(sorted(self.accepted_hist.items())),
             "drafted_per_pos": list(self.drafted_per_pos),
             "accepted_per_pos": list(self.accepted_per_pos),

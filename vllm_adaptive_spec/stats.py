@@ -22,6 +22,7 @@ class StatsBook:
     forwards_per_step: Counter = field(default_factory=Counter)  # draft forward passes -> engine steps
     drafted_len_hist: Counter = field(default_factory=Counter)  # proposed draft length -> rounds
     rows_saved: int = 0  # compact_drafts: row computations draft forwards left out (rows that had stopped)
+    tail_tokens: int = 0  # context_tail: draft tokens the requests' contexts added after the drafter's
     clock: Clock | None = None  # set with adaptive_spec.time_policy
 
     def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
@@ -46,6 +47,11 @@ class StatsBook:
         for req_id, n in zip(req_ids or [], drawn or []):
             if n > 0:
                 self._counts(req_id).n_drawn += n
+
+    def record_tail(self, req_id: str, n: int) -> None:
+        """context_tail: n tokens the request's context predicted, appended after its drafts."""
+        self.tail_tokens += n
+        self._counts(req_id).n_tail += n
 
     def _counts(self, req_id: str) -> SpecCounts:
         """The live request's counts (created on first use; not `setdefault`, which builds one per call)."""
@@ -75,5 +81,6 @@ class StatsBook:
             "forwards_per_step": dict(sorted(self.forwards_per_step.items())),
             "drafted_len_hist": dict(sorted(self.drafted_len_hist.items())),
             "rows_saved": self.rows_saved,
+            "tail_tokens": self.tail_tokens,
             **({"timing": self.clock.as_dict()} if self.clock is not None else {}),
         }

@@ -264,7 +264,8 @@ def use_drafter(args: argparse.Namespace, plan: Plan) -> str:
             for f in sorted(DFLASH_HEAD.parent.glob(f"{DFLASH_HEAD.name}.tune*.json"))
             for c in tuned_configs(f)
         ]
-    plan.configs[:] = [replace(c, method=args.drafter) for c in kept + extra]
+    # (vLLM's prompt lookup has no drafter: its rows stay as they are, the baseline any drafter faces)
+    plan.configs[:] = [c if c.method == "ngram" else replace(c, method=args.drafter) for c in kept + extra]
     if args.drafter == "dflash":
         # the drafter's runs come from its trained block; an oracle at another cap would need another block
         from vllm_adaptive_spec.heads.dflash import load_hf_dir

@@ -22,6 +22,8 @@ from benchmarks.paths import EAGLE3_HEAD, REPO, beside, load_prompts
 WORKLOADS = ("code_heldout", "prose_heldout")
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
+TAILS = (4, 15)  # the regime's context-tail rows (within the cap 16)
+NGRAM_KS = (4, 8, 16)  # vLLM's prompt lookup (method "ngram", n-grams of 2-4 tokens: benchmarks.vllm_run)
 VERIFY_CURVE_KS = (1, 2, 3, 4, 6, 8, 12)  # the regime's "plugin fixed K=k under cap 16" rows
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
 DYNAMIC_SCHEDULE = [[1, 1, 3], [2, 4, 3], [5, 16, 2], [17, 64, 1]]
@@ -201,6 +203,12 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                     replace(alone, name=f"{alone.name}, min {n} drafts", adaptive=alone.adaptive | {"min_drafts": n})
                     for n in (2, 4)
                 ]
+                # ... and with a context tail (adaptive_spec.context_tail): the head drafts, the context adds
+                configs.append(
+                    replace(
+                        alone, name=f"{alone.name}, context tail 15", adaptive=alone.adaptive | {"context_tail": 15}
+                    )
+                )
     if regime:
         configs = [replace(c, timed=True) for c in configs if c.sweep is None or "tuned on train" in c.name]
     return configs
@@ -283,6 +291,11 @@ def full_plan() -> Plan:
             dynamic=DYNAMIC_SCHEDULE,
             timed=True,
         ),
+        # vLLM's prompt lookup (method "ngram": drafts copied from the request's context, no draft model)
+        *[
+            Config(f"vLLM ngram K={k}", "vllm", "vLLM ngram", k, sweep=k, timed=k in (8, 16), method="ngram")
+            for k in NGRAM_KS
+        ],
         # vLLM's adaptive verification (our implementation): drafts the full K, verifies the best slots
         *[
             Config(f"vllm_av K={k}", "plugin", "vllm_av", k, {"policy": "vllm_av"}, sweep=k, timed=k == 4)
@@ -385,6 +398,9 @@ def batch_plan(steady: bool = False) -> Plan:
             True,
         ),
     ]
+    # vLLM's prompt lookup, and the context tail on copy (README, "The context tail")
+    configs += [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name == "vLLM ngram K=4"]
+    configs.append(_plugin("copy 0.7, context tail 4", "copy tail", {"policy": "copy", "context_tail": 4}, 4, True))
     cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
     notes = ["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"]
     if steady:  # a busy endpoint: about 8 requests per slot, so most steps run a full batch
@@ -404,6 +420,9 @@ def regime_plan() -> Plan:
         *(f"vLLM K={k}" for k in (1, 2, 3, 4, 6, 8)),  # K=8: a head regime (c near 10) may want long drafts
         "vLLM dynamic SD",
         "vllm_av K=8",  # vLLM's adaptive verification (ours): what a DFlash block's cut competes with
+        # prompt lookup: the toy target's outputs repeat their context (README, "The context tail")
+        "vLLM ngram K=8",
+        "vLLM ngram K=16",
         "svip h=0.3 (default)",
         "adaedl (default)",
         "confidence 0.4 (default)",
@@ -445,6 +464,11 @@ def regime_plan() -> Plan:
     configs += [
         _plugin(f"{name}, min 2 drafts", f"{family} min 2", {"policy": family, "min_drafts": 2}, th, timed=True)
         for name, family, th in (("copy 0.7", "copy", 0.7), ("confidence 0.4", "confidence", 0.4))
+    ]
+    # the context tail (adaptive_spec.context_tail): after the drafts, up to m tokens the context predicts
+    configs += [
+        _plugin(f"copy 0.7, context tail {m}", "copy tail", {"policy": "copy", "context_tail": m}, m, timed=True)
+        for m in TAILS
     ]
     cells = [c for c in full.cells if c.timed and c.batch == 1 and c.temperature == 0.0]
     notes = ["regime: batch 1, greedy, timed cells only; counts are the cells' own"]

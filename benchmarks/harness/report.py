@@ -36,15 +36,19 @@ C_PAPER = 4.0  # the papers' 1.3B/33B pair
 
 
 def drawn(row: dict[str, Any]) -> float:
-    """Draft tokens the row's draft computed: the plugin's N_drawn, else N_D (vLLM's loop, the oracle)."""
-    return max(row.get("n_drawn") or 0, row["n_draft"])
+    """Draft tokens the row's draft computed: the plugin's N_drawn, else N_D (vLLM's loop, the oracle),
+    less the context tail's (adaptive_spec.context_tail: no draft forward)."""
+    return max(row.get("n_drawn") or 0, row["n_draft"] - (row.get("n_tail") or 0))
 
 
 def draft_units(row: dict[str, Any], method: str) -> float:
     """Draft forwards charged to the row, in units of t_D. A chain drafter (draft_model, eagle3) runs one
     forward per drawn token; a DFlash drafter draws its whole block in one forward after every target
     pass, so a cut block saves verification, never draft time: N_T forwards whatever the block length
-    (an upper bound by at most one per request: a request's last pass drafts nothing)."""
+    (an upper bound by at most one per request: a request's last pass drafts nothing). vLLM's prompt
+    lookup ("ngram") runs no draft model: none."""
+    if method == "ngram":
+        return 0.0
     return float(row["n_target"]) if method == "dflash" and drawn(row) > 0 else drawn(row)
 
 
@@ -156,7 +160,8 @@ def _affine_speedup(row: dict, c: dict, f: float, method: str) -> float | None:
 
 def batch_forwards(row: dict, cfg: dict) -> float | None:
     """Draft forwards of the whole batch over the row's engine steps: the plugin's per-step record;
-    vLLM's own loop runs K every step (dynamic SD's K moves with the batch: None); a DFlash drafter one."""
+    vLLM's own loop runs K every step (dynamic SD's K moves with the batch: None); a DFlash drafter one;
+    prompt lookup none."""
     hist = row.get("draft_forwards_per_step")
     if hist:
         return step_table.hist_total(hist)
@@ -164,6 +169,8 @@ def batch_forwards(row: dict, cfg: dict) -> float | None:
         return 0.0
     if cfg["kind"] != "vllm" or cfg.get("dynamic"):
         return None
+    if _method(cfg) == "ngram":  # prompt lookup: no draft model
+        return 0.0
     return float(row["steps"] if _method(cfg) == "dflash" else cfg["k"] * row["steps"])
 
 
@@ -267,7 +274,7 @@ def markdown(table: dict[str, Any], env: dict[str, Any], title: str) -> str:
     lines += [
         "Metric definitions: ALGORITHMS.md. Counts are exact and counted alike for every configuration: "
         "N_T = target passes that generated tokens, the prefill pass included (plugin: its own per-step "
-        "records; vLLM: its passes that verified drafts plus one prefill pass per request; oracle: a replay "
+        "records; vLLM: the engine's passes that returned tokens to a request; oracle: a replay "
         "that counts passes the same way), tau = N_gen/N_T, N_acc = drafts kept. "
         "S = modeled speedup over no speculation, at the cost ratio c measured on the same cell and at "
         "c = 4, charging the policy's own time per drafted token ('policy cost / draft step' = f: the "

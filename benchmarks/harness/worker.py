@@ -15,12 +15,17 @@ number of target passes that generated tokens (the prefill pass included),
 N_gen the tokens returned.
 - plugin configurations: the plugin's own per-step records (get_stats),
   which see every verification and never draft past max_tokens;
-- vLLM configurations: per request, from vLLM's per-request spec-decode
-  metrics (`per_request_spec_decode_metrics="summary"`), the passes that
-  verified drafts plus the one prefill pass (every later pass of vLLM's
-  draft-model proposer carries drafts; tests/e2e/test_exact_counts.py
-  checks this against the plugin's records); N_acc = N_gen - N_T (every
-  pass emits one token of its own). vLLM's accepted counter also counts
+- vLLM configurations: the engine's passes that returned tokens to a
+  request, counted by vLLM's latency histograms (one time-to-first-token per
+  request, one inter-token latency per later pass: `passes`, equal to the
+  engine steps at batch 1); N_D per request from vLLM's per-request
+  spec-decode metrics (`per_request_spec_decode_metrics="summary"`); N_acc =
+  N_gen - N_T (every pass emits one token of its own). Before 2026-12-06
+  N_T was the passes that verified drafts (those metrics' histogram) plus
+  the prefill pass: the same for draft models and heads, whose every later
+  pass carries drafts (tests/e2e/test_exact_counts.py checks it against the
+  plugin's records), but not for vLLM's prompt lookup (`ngram`), whose
+  passes without a match draft nothing. vLLM's accepted counter also counts
   drafts accepted past max_tokens and then thrown away; it is kept as
   `n_accepted_vllm` for comparison.
 N_D is the drafts sent to verification (vLLM's counter; for vLLM's fixed K
@@ -63,7 +68,7 @@ def sampling_params(cell: Cell, index: int):
 
 
 def counters(llm) -> dict[str, int]:
-    out = {"n_gen": 0, "n_draft": 0, "n_accepted_vllm": 0, "n_drafts": 0, "steps": 0}
+    out = {"n_gen": 0, "n_draft": 0, "n_accepted_vllm": 0, "n_drafts": 0, "steps": 0, "passes": 0}
     for m in llm.get_metrics():
         if m.name == "vllm:generation_tokens":
             out["n_gen"] += m.value
@@ -75,6 +80,8 @@ def counters(llm) -> dict[str, int]:
             out["n_drafts"] += m.value
         elif m.name == "vllm:iteration_tokens_total":
             out["steps"] += m.count
+        elif m.name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
+            out["passes"] += m.count  # one per request's pass that returned tokens
     return out
 
 
@@ -87,7 +94,7 @@ def stats(llm) -> list[dict[str, Any]]:
 def plugin_totals(llm) -> dict[str, Any]:
     """The plugin's own records, summed over workers: exact counts, draft-length histogram,
     draft forwards per engine step and the policy's in-engine timing."""
-    out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0}
+    out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0, "n_tail": 0}
     out |= {"hist": {}, "forwards": {}}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
     timing |= {"steady_rounds": 0, "steady_gap_s": 0.0, "steady_target_s": 0.0, "gc_s": 0.0, "gc_runs": 0}
@@ -95,7 +102,7 @@ def plugin_totals(llm) -> dict[str, Any]:
         ("steps", "skipped", "timed_steps", "step_s", "draft_busy_s", "target_wait_s", "pre_drafted"), 0.0
     )
     for snap in stats(llm):
-        for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn"):
+        for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn", "n_tail"):
             out[key] += snap["workload"][key]
         for name, src in (("hist", "drafted_len_hist"), ("forwards", "forwards_per_step")):
             for k, n in snap[src].items():
@@ -119,10 +126,9 @@ def _delta(after: dict, before: dict, repeats: int) -> dict:
 
 
 def request_counts(outs: list, speculative: bool) -> dict[str, int]:
-    """Exact N_gen, N_T, N_D and N_acc of finished requests of an engine without the plugin.
-
-    N_T per request: vLLM's verify passes (its per-request acceptance histogram sums to them)
-    plus the prefill pass; without speculation, one pass per token."""
+    """N_gen, N_D, and N_T and N_acc as the passes that verified drafts (vLLM's per-request histogram)
+    plus the prefill pass, of finished requests of an engine without the plugin: exact where every later
+    pass drafts (draft models and heads; not prompt lookup: the harness counts the engine's `passes`)."""
     out = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0}
     for o in outs:
         n_gen = len(o.outputs[0].token_ids)
@@ -199,7 +205,7 @@ class CellRun:
         row |= delta  # vLLM's counters; the exact counts below replace n_gen and n_draft
         if self.plugin:
             own = _delta(plugin_totals(self.llm), self.own0, cell.repeats)
-            row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn")}
+            row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn", "n_tail")}
             row["draft_len_hist"] = dict(sorted(own["hist"].items()))
             row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
             row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
@@ -209,7 +215,9 @@ class CellRun:
             if gate_costs:  # adaptive_spec.costs "online": the curves the gate decided on at the end
                 row["gate_costs"] = gate_costs[0]
         else:
-            row |= self.exact
+            if self.exact["n_gen"] and not delta["passes"]:  # the engine's metrics are another engine's
+                raise RuntimeError("no pass counts from this engine's metrics: one engine per process")
+            row |= self.exact | {"n_target": delta["passes"], "n_accepted": self.exact["n_gen"] - delta["passes"]}
             row["draft_len_hist"] = {}
         row["output_hashes"] = [token_hash(ids) for ids in outputs]
         row["_outputs"], row["_prompt_ids"] = outputs, None

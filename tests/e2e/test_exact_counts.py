@@ -1,8 +1,10 @@
 """Target passes are counted exactly, and alike, for vLLM's own fixed K and the plugin.
 
-The harness takes vLLM's N_T per request from vLLM's per-request spec-decode
-metrics (passes that verified drafts) plus the prefill pass, and the
-plugin's from its own per-step records.
+The harness takes vLLM's N_T from the engine's passes that returned tokens
+(its latency histograms: one time-to-first-token per request, one inter-token
+latency per later pass; `counters`), for draft models the same as the passes
+that verified drafts (per-request spec-decode metrics) plus the prefill pass,
+and the plugin's from its own per-step records.
 On the same greedy work with the same K both must give the same N_T, and
 N_gen - N_T must be the drafts actually kept: vLLM's accepted counter also
 counts drafts accepted past max_tokens (regression: the report's vLLM K=16
@@ -11,8 +13,8 @@ showed tau 3.00, above the oracle's 2.88).
 
 from __future__ import annotations
 
-from benchmarks.harness.worker import _delta, plugin_totals, request_counts
-from tests.conftest import greedy_params
+from benchmarks.harness.worker import _delta, counters, plugin_totals, request_counts
+from tests.conftest import close_llm, greedy_params, make_llm
 
 N, MAX_TOKENS = 8, 40
 
@@ -37,3 +39,21 @@ def test_vllm_and_plugin_count_the_same_target_passes(spec_llm, adaptive_llm, pr
     assert vllm_accepted >= vllm["n_accepted"]
     # the plugin never drafts past max_tokens, vLLM's fixed K does
     assert own["n_draft"] <= vllm["n_draft"]
+
+
+def test_passes_without_drafts_count_too(prompts):
+    """vLLM's prompt lookup (method ngram) drafts nothing where the context has no match: those passes
+    are target passes too. Regression: N_T from the per-request histogram (passes that verified drafts)
+    gave vLLM ngram K=8 tau 6.9 on code prompts at batch 1, where the engine ran 3.5x as many steps."""
+    from benchmarks.vllm_run import spec_config
+
+    llm = make_llm(speculative_config=spec_config(8, "ngram"), per_request_spec_decode_metrics="summary")
+    try:
+        before = counters(llm)  # (the last engine started in this process: the metrics are its own)
+        outs = llm.generate(prompts[:1], greedy_params(MAX_TOKENS), use_tqdm=False)  # batch 1: a step is a pass
+        after = counters(llm)
+    finally:
+        close_llm(llm)
+    passes, steps = after["passes"] - before["passes"], after["steps"] - before["steps"]
+    verified = request_counts(outs, speculative=True)["n_target"]  # passes that verified drafts, and the prefill
+    assert passes == steps > verified, (passes, steps, verified)

@@ -1,6 +1,7 @@
 """adaptive_spec.min_drafts through real vLLM: a rule that would stop every row after its first draft
 (confidence at threshold 1.0: no draft is that sure) drafts at least the floor, the batch gate on, and
-stays lossless; a floor above the cap K fails at start-up naming the field."""
+stays lossless; a floor above the cap K fails at start-up naming the field (and so does a context tail,
+adaptive_spec.context_tail: test_context_tail.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_a_floor_of_drafts_is_lossless_and_drafted(lossless_prompts, lossless_re
     assert max(hist) == FLOOR, hist  # ... and the rule stopped every row there
 
 
-def test_a_floor_above_the_cap_fails_at_startup():
+@pytest.mark.parametrize("field", ["min_drafts", "context_tail"])
+def test_a_floor_or_tail_above_the_cap_fails_at_startup(field):
     from vllm_adaptive_spec import ConfigError
     from vllm_adaptive_spec.integration.hooks import check_engine_config
 
@@ -48,9 +50,9 @@ def test_a_floor_above_the_cap_fails_at_startup():
         draft_model_config = None
 
     class Engine:
-        additional_config = {"adaptive_spec": {"policy": "copy", "min_drafts": 5}}
+        additional_config = {"adaptive_spec": {"policy": "copy", field: 5}}
         speculative_config = Spec()
 
     with pytest.raises(ConfigError) as err:
         check_engine_config(Engine())
-    assert str(err.value).startswith("adaptive_spec.min_drafts: 5 is above speculative_config.num_speculative_tokens")
+    assert str(err.value).startswith(f"adaptive_spec.{field}: 5 is above speculative_config.num_speculative_tokens")

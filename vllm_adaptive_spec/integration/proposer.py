@@ -52,6 +52,7 @@ from vllm_adaptive_spec.integration.grammar import GrammarStops
 from vllm_adaptive_spec.policies import StopPolicy
 from vllm_adaptive_spec.policies.batch_gate import draft_top
 from vllm_adaptive_spec.policies.step import decisions_to_host, policy_logprobs, rows_to_compute
+from vllm_adaptive_spec.policies.tail import ContextTail, with_tail_probs
 from vllm_adaptive_spec.policies.timing import Clock, TimedPolicy
 from vllm_adaptive_spec.stats import StatsBook
 
@@ -98,6 +99,10 @@ class AdaptiveDraftLoop:
         compact = device.type != "cuda" if cfg.compact_drafts is None else cfg.compact_drafts
         self.compact_drafts = compact and not self.parallel_drafting
         self.min_drafts = cfg.min_drafts  # no row's draft ends below this (its limit allowing)
+        # free tokens the context predicts, after the drafts (policies/tail.py); per request given a tail
+        # last round, the drafter's drafts before it (the policy and the gate learn from those only)
+        self.tail = ContextTail(cfg.context_tail) if cfg.context_tail else None
+        self._before_tail: dict[str, int] = {}
         if cfg.time_policy:
             self.stats.clock = Clock()
             self.stats.clock.watch_gc()
@@ -125,8 +130,15 @@ class AdaptiveDraftLoop:
         generated = [1] * batch if self._valid_counts is None else self._valid_counts[:batch].tolist()
         drafted = self._verified_drafts or [0] * batch
         self.stats.record_verification(req_ids, drafted, generated)
+        if self._before_tail:  # the policy and the gate see their drafter's drafts only
+            drafted = [min(n, self._before_tail.get(r, n)) for r, n in zip(req_ids, drafted)]
+            self._before_tail.clear()
         decoding = [i for i, n in enumerate(generated) if n > 0 and drafted[i] > 0]
-        outcome = ([req_ids[i] for i in decoding], [drafted[i] for i in decoding], [generated[i] - 1 for i in decoding])
+        outcome = (
+            [req_ids[i] for i in decoding],
+            [drafted[i] for i in decoding],
+            [min(generated[i] - 1, drafted[i]) for i in decoding],
+        )
         self.policy.end_round(*outcome)
         if self.gate is not None:
             with self._timed():
@@ -140,14 +152,17 @@ class AdaptiveDraftLoop:
             self.stats.finish(req_id)
         for req_id in [*finished, *preempted]:
             self.policy.forget(req_id)
+            if self.tail is not None:
+                self.tail.forget(req_id)
             if self.gate is not None:
                 self.gate.forget(req_id)
             if self.grammar is not None:
                 self.grammar.forget(req_id)
 
-    def _feed_tokens(self, req_ids: list[str], generated: list[int]) -> None:
-        """A policy that reads its requests' tokens (reads_tokens) gets what each gained since it last
-        read: the runner's prompt and output (the output before this step) and this step's tokens."""
+    def _feed_tokens(self, reader: Any, req_ids: list[str], generated: list[int]) -> None:
+        """A reader of the requests' tokens (a policy that reads_tokens, the context tail) gets what each
+        gained since it last read: the runner's prompt and output (the output before this step) and this
+        step's tokens."""
         host = self._sampled.tolist() if self._sampled is not None else None  # [B, K+1]
         new: list[list[int]] = []
         for i, req_id in enumerate(req_ids):
@@ -156,14 +171,18 @@ class AdaptiveDraftLoop:
                 new.append([])
                 continue
             prompt, output = state.prompt_token_ids or [], state.output_token_ids
-            seen = self.policy.tokens_seen(req_id)
+            seen = reader.tokens_seen(req_id)
             head = [*prompt[seen:], *output] if seen < len(prompt) else list(output[seen - len(prompt) :])
             new.append(head + (host[i][: generated[i]] if host is not None else []))
-        self.policy.observe_tokens(req_ids, new)
+        reader.observe_tokens(req_ids, new)
 
-    def _round_limits(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
-        """Per request: the policy's length bound, never past max_tokens or the model length."""
-        limits = self.policy.round_limits(req_ids, cap)
+    def _round_limits(self, req_ids: list[str], rooms: list[int], cap: int) -> list[int]:
+        """Per request: the policy's length bound, never past its room (`_rooms`)."""
+        return [min(n, room) for n, room in zip(self.policy.round_limits(req_ids, cap), rooms)]
+
+    def _rooms(self, req_ids: list[str], generated: list[int], cap: int) -> list[int]:
+        """Per request: the drafts it may have this round, the cap K short of max_tokens and the model length."""
+        limits = [cap] * len(req_ids)
         num_tokens = self.runner.input_batch.num_tokens_no_spec
         for i, req_id in enumerate(req_ids):
             state = self.runner.requests.get(req_id)
@@ -249,8 +268,13 @@ class AdaptiveDraftLoop:
         steady = self._meter_pass(req_ids, generated)
         steps_start: float | None = None  # when the draft steps after the first pass began (steady rounds)
         if self.policy.reads_tokens:
-            self._feed_tokens(req_ids, generated)
-        limits = self._round_limits(req_ids, generated, cap)
+            self._feed_tokens(self.policy, req_ids, generated)
+        rooms = self._rooms(req_ids, generated, cap)
+        limits = self._round_limits(req_ids, rooms, cap)
+        if self.tail is not None:  # a row whose context predicts its next token drafts one token, then its tail
+            self._feed_tokens(self.tail, req_ids, generated)
+            one = max(1, self.min_drafts)
+            limits = [min(n, one) if self.tail.predicts(r) else n for r, n in zip(req_ids, limits)]
         gate = self.gate if batch >= self.policy.gate_min_rows else None
         if gate is not None:
             with self._timed():
@@ -284,7 +308,7 @@ class AdaptiveDraftLoop:
         if cap == 0 or max(limits) == 0:
             self.stats.record_proposal([0] * batch, forwards)
             self._meter_round(req_ids, None, forwards)
-            return [[] for _ in range(batch)]
+            return self._append_tail(req_ids, [[] for _ in range(batch)], rooms)
 
         # A parallel drafter (DFlash) drafted the whole block in the first pass: its step t reads
         # block position t, no forward; the loop and the policy's stops are the same.
@@ -427,7 +451,24 @@ class AdaptiveDraftLoop:
         self.stats.record_proposal(lengths, forwards, req_ids, drawn, None if rows is None else rows.saved)
         # (a round whose later forwards computed fewer rows says nothing about a step of the whole batch)
         self._meter_round(req_ids, steps_start if rows is None or rows.index is None else None, forwards)
-        return [row[:n] for row, n in zip(drafts, lengths)]
+        return self._append_tail(req_ids, [row[:n] for row, n in zip(drafts, lengths)], rooms)
+
+    def _append_tail(self, req_ids: list[str], drafts: list[list[int]], rooms: list[int]) -> list[list[int]]:
+        """Each row's drafts followed by the tokens its context predicts after them (room allowing), with
+        one-hot draft probabilities where the round drew from distributions (policies/tail.py)."""
+        if self.tail is None:
+            return drafts
+        out = []
+        for req_id, row, room in zip(req_ids, drafts, rooms):
+            extra = self.tail.tail(req_id, row, room - len(row))
+            if extra:
+                self._before_tail[req_id] = len(row)
+                self.stats.record_tail(req_id, len(extra))
+            out.append(row + extra)
+        if self._last_draft_probs is not None and self._before_tail:  # drafts drawn from distributions
+            starts = [self._before_tail.get(r, len(row)) for r, row in zip(req_ids, out)]
+            self._last_draft_probs = with_tail_probs(self._last_draft_probs, out, starts)  # [B, T', V]
+        return out
 
     def _agree(self, active: list[bool], lengths: list[int], device: torch.device) -> tuple[list[bool], list[int]]:
         """Tensor parallelism: every rank takes rank 0's rows still drafting and lengths."""

@@ -1,0 +1,34 @@
+"""adaptive_spec.context_tail through real vLLM: the tokens a request's context predicts, appended after
+the drafter's drafts, keep greedy output equal to no speculation's (batched, mixed lengths, and alone),
+on an independent draft model and on an EAGLE-3 head; the tail fires and verification accepts some of
+it. (Sampling: test_sampling_lossless.py; a tail above the cap K fails start-up: test_min_drafts.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_run import spec_config
+from tests.conftest import MIXED_MAX_TOKENS, K, close_llm, first_mismatch, greedy, make_llm, released_stats
+
+pytestmark = pytest.mark.e2e
+TAIL = 3
+
+
+@pytest.mark.parametrize("method,policy", [("draft_model", "copy"), ("eagle3", "confidence")])
+def test_a_context_tail_is_lossless_and_accepted(method, policy, lossless_prompts, lossless_reference):
+    cfg = {"policy": policy, "context_tail": TAIL}  # the gate at its default (on)
+    llm = make_llm(speculative_config=spec_config(K, method), additional_config={"adaptive_spec": cfg})
+    try:
+        got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+        assert got == lossless_reference, first_mismatch(got, lossless_reference)
+        one = greedy(llm, lossless_prompts[3:4], MIXED_MAX_TOKENS[3])  # a lone request
+        assert one == lossless_reference[3:4], first_mismatch(one, lossless_reference[3:])
+        (snap,) = released_stats(llm)
+    finally:
+        close_llm(llm)
+    work = snap["workload"]
+    # the tail fired, and verification accepted more than the drafter alone could have: rounds that
+    # predicted their next token drafted one token, so accepted drafts past one per round are the tail's
+    assert snap["tail_tokens"] > 100, snap["tail_tokens"]
+    assert work["n_draft"] > snap["tail_tokens"] and work["n_accepted"] > 0, work
+    assert max(int(k) for k in snap["drafted_len_hist"]) <= K

@@ -1,0 +1,63 @@
+"""The context tail (policies/tail.py): what a request's context predicts after a round's drafts."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive_spec.policies.tail import ContextTail, with_tail_probs
+
+
+def tail_of(tokens: list[int], m: int = 8) -> ContextTail:
+    t = ContextTail(m)
+    t.observe_tokens(["r"], [tokens])
+    return t
+
+
+def test_the_tokens_after_the_last_occurrence_of_the_context_end():
+    t = tail_of([1, 2, 3, 4, 1, 2])  # (1, 2) was followed by 3, 4, 1, 2
+    assert t.predicts("r")
+    assert t.tail("r", [], 3) == [3, 4, 1]
+    assert t.tail("r", [], 1) == [3]
+
+
+def test_the_most_recent_occurrence_and_the_longest_match_win():
+    assert tail_of([1, 2, 9, 1, 2, 8, 1, 2]).tail("r", [], 2) == [8, 1]  # (1, 2) last followed by 8
+    # (3, 1, 2) matches three tokens at its occurrence before 7; (1, 2) alone last led to 8
+    assert tail_of([3, 1, 2, 7, 4, 1, 2, 8, 3, 1, 2]).tail("r", [], 1) == [7]
+
+
+def test_drafts_extend_the_context_and_a_repeat_runs_on_into_them():
+    t = tail_of([5, 6, 7, 5, 6])
+    assert t.tail("r", [7], 3) == [5, 6, 7]  # (5, 6, 7) ended at token 2; then 5, 6, then the draft 7
+    assert t.tail("r", [], 5) == [7, 5, 6]  # (5, 6) ended at token 1: what followed, to the context's end
+    assert t.tail("r", [9, 9], 4) == []  # (6, 9, 9), (9, 9): never seen
+
+
+def test_nothing_without_a_match_room_or_history():
+    t = tail_of([1, 2, 3, 4])
+    assert not t.predicts("r") and t.tail("r", [], 4) == []  # the context's end never occurred before
+    assert tail_of([1, 2, 1, 2]).tail("r", [], 0) == []
+    assert ContextTail(4).tail("unknown", [1, 2], 4) == [] and not ContextTail(4).predicts("unknown")
+
+
+def test_fed_incrementally_and_bounded_by_its_length():
+    t = ContextTail(2)
+    t.observe_tokens(["a", "b"], [[1, 2, 3], [4]])
+    t.observe_tokens(["a"], [[1, 2]])  # a's output so far: its context is 1 2 3 1 2
+    assert t.tokens_seen("a") == 5 and t.tokens_seen("b") == 1 and t.num_tracked() == 2
+    assert t.tail("a", [], 10) == [3, 1]  # max_tokens 2
+    t.forget("a")
+    assert t.num_tracked() == 1 and t.tokens_seen("a") == 0
+
+
+def test_tail_positions_get_one_hot_draft_probabilities():
+    probs = torch.full((2, 2, 5), 0.2)  # [B, T, V] two drawn steps
+    # row 0: one draft then a tail of 3 (past the drawn steps); row 1: two drafts, no tail
+    got = with_tail_probs(probs.clone(), [[4, 1, 2, 3], [0, 1]], [1, 2])
+    assert got.shape == (2, 4, 5)
+    assert torch.equal(got[0, 0], probs[0, 0]) and torch.equal(got[1], torch.cat([probs[1], torch.zeros(2, 5)]))
+    assert torch.equal(got[0, 1:].argmax(-1), torch.tensor([1, 2, 3])) and torch.equal(
+        got[0, 1:].sum(-1), torch.ones(3)
+    )
+    assert torch.equal(got[0, 1:].amax(-1), torch.ones(3))
+    assert with_tail_probs(probs.clone(), [[4], [0]], [1, 1]).shape == (2, 2, 5)  # no tail: as drawn
