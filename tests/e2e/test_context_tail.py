@@ -1,7 +1,8 @@
 """adaptive_spec.context_tail through real vLLM: the tokens a request's context predicts, appended after
 the drafter's drafts, keep greedy output equal to no speculation's (batched, mixed lengths, and alone),
-on an independent draft model and on an EAGLE-3 head; the tail fires and verification accepts some of
-it. (Sampling: test_sampling_lossless.py; a tail above the cap K fails start-up: test_min_drafts.py.)"""
+on an independent draft model, an EAGLE-3 head and a DFlash block drafter; the tail fires and
+verification accepts some of it. (Sampling: test_sampling_lossless.py; a tail above the cap K fails
+start-up: test_min_drafts.py.)"""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from tests.conftest import MIXED_MAX_TOKENS, K, close_llm, first_mismatch, greed
 
 pytestmark = pytest.mark.e2e
 TAIL = 3
+DRAFTERS = [("draft_model", "copy"), ("eagle3", "confidence"), ("dflash", "confidence")]
 
 
-@pytest.mark.parametrize("method,policy", [("draft_model", "copy"), ("eagle3", "confidence")])
+@pytest.mark.parametrize("method,policy", DRAFTERS)
 def test_a_context_tail_is_lossless_and_accepted(method, policy, lossless_prompts, lossless_reference):
     cfg = {"policy": policy, "context_tail": TAIL}  # the gate at its default (on)
     llm = make_llm(speculative_config=spec_config(K, method), additional_config={"adaptive_spec": cfg})
