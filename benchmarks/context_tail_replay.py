@@ -49,9 +49,8 @@ def replay(resp: data.Response, lengths: list[int], runs: list[int], tail: int, 
         if draft:
             k = min(lengths[i - 1], room, 1 if tail and ctx.predicts("r") else CAP)
             a = min(runs[i - 1], k)
-        extra = ctx.tail("r", ids[first + i : first + i + k], room - k) if tail and a == k else []
-        if tail and a < k:  # the tail follows a rejected draft: proposed, never accepted
-            extra = ctx.tail("r", ids[first + i : first + i + a], room - k)  # (its length is what counts)
+        # after a rejected draft the tail is proposed, never accepted: its length is what counts
+        extra = ctx.tail("r", ids[first + i : first + i + a], room - k) if tail else []
         e = 0
         if a == k:
             while e < len(extra) and extra[e] == ids[first + i + k + e]:

@@ -159,22 +159,25 @@ class AdaptiveDraftLoop:
             if self.grammar is not None:
                 self.grammar.forget(req_id)
 
-    def _feed_tokens(self, reader: Any, req_ids: list[str], generated: list[int]) -> None:
-        """A reader of the requests' tokens (a policy that reads_tokens, the context tail) gets what each
-        gained since it last read: the runner's prompt and output (the output before this step) and this
-        step's tokens."""
+    def _feed_tokens(self, readers: list[Any], req_ids: list[str], generated: list[int]) -> None:
+        """Each reader of the requests' tokens (a policy that reads_tokens, the context tail) gets what each
+        request gained since it last read: the runner's prompt and output (the output before this step)
+        and this step's tokens (one host copy of them for all readers)."""
+        if not readers:
+            return
         host = self._sampled.tolist() if self._sampled is not None else None  # [B, K+1]
-        new: list[list[int]] = []
-        for i, req_id in enumerate(req_ids):
-            state = self.runner.requests.get(req_id)
-            if state is None:
-                new.append([])
-                continue
-            prompt, output = state.prompt_token_ids or [], state.output_token_ids
-            seen = reader.tokens_seen(req_id)
-            head = [*prompt[seen:], *output] if seen < len(prompt) else list(output[seen - len(prompt) :])
-            new.append(head + (host[i][: generated[i]] if host is not None else []))
-        reader.observe_tokens(req_ids, new)
+        states = [self.runner.requests.get(req_id) for req_id in req_ids]
+        for reader in readers:
+            new: list[list[int]] = []
+            for i, (req_id, state) in enumerate(zip(req_ids, states)):
+                if state is None:
+                    new.append([])
+                    continue
+                prompt, output = state.prompt_token_ids or [], state.output_token_ids
+                seen = reader.tokens_seen(req_id)
+                head = [*prompt[seen:], *output] if seen < len(prompt) else list(output[seen - len(prompt) :])
+                new.append(head + (host[i][: generated[i]] if host is not None else []))
+            reader.observe_tokens(req_ids, new)
 
     def _round_limits(self, req_ids: list[str], rooms: list[int], cap: int) -> list[int]:
         """Per request: the policy's length bound, never past its room (`_rooms`)."""
@@ -267,12 +270,11 @@ class AdaptiveDraftLoop:
         generated = self._end_of_verification(req_ids)
         steady = self._meter_pass(req_ids, generated)
         steps_start: float | None = None  # when the draft steps after the first pass began (steady rounds)
-        if self.policy.reads_tokens:
-            self._feed_tokens(self.policy, req_ids, generated)
+        readers = [self.policy] if self.policy.reads_tokens else []
+        self._feed_tokens(readers + ([self.tail] if self.tail is not None else []), req_ids, generated)
         rooms = self._rooms(req_ids, generated, cap)
         limits = self._round_limits(req_ids, rooms, cap)
         if self.tail is not None:  # a row whose context predicts its next token drafts one token, then its tail
-            self._feed_tokens(self.tail, req_ids, generated)
             one = max(1, self.min_drafts)
             limits = [min(n, one) if self.tail.predicts(r) else n for r, n in zip(req_ids, limits)]
         gate = self.gate if batch >= self.policy.gate_min_rows else None

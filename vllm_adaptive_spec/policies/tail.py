@@ -10,7 +10,7 @@ tail: the draft model's later steps cost forwards, the tail costs none.
 Why: the drafter stops at its first unsure token; when the context repeats, the tokens after it are
 known for nothing. On the toy target's greedy responses to 300 training prompts, replayed with the
 bundled draft model (README, "The context tail"), S at c = 4 went from copy's 1.59 / 1.55 (code / prose)
-to 2.59 / 3.18 with a tail of 15, against prompt lookup alone at 2.67 / 3.58: the toy target's outputs
+to 2.59 / 3.18 with a tail of 15, against prompt lookup alone at 2.67 / 3.55: the toy target's outputs
 repeat their context heavily, so there lookup is the stronger drafter; real models repeat less.
 
 Lossless: the tail is a function of tokens known before it is proposed (a draft of probability one:
