@@ -31,6 +31,7 @@ PLUGIN_FIELDS = (
     "grammar_mask",
     "min_drafts",
     "context_tail",
+    "tail_gate",
 )
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
@@ -61,6 +62,9 @@ class AdaptiveSpecConfig:
     # after a round's drafts, up to this many more that the request's context predicts (prompt lookup), free
     # of draft forwards; a row whose context predicts its next token drafts one token first (policies/tail.py)
     context_tail: int = 0
+    # the tail is cut to what pays for its verification where the batch gate runs, on its cost curves
+    # (policies/tail.py: TailGate); default on with a tail and the gate
+    tail_gate: bool = False
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -104,6 +108,14 @@ class AdaptiveSpecConfig:
             )
         min_drafts = _draft_count(raw, "min_drafts", policy)
         context_tail = _draft_count(raw, "context_tail", policy)
+        tail_gate = raw.get("tail_gate", bool(context_tail) and batch_aware)
+        if not isinstance(tail_gate, bool):
+            raise ConfigError(f"{CONFIG_KEY}.tail_gate: expected true or false, got {tail_gate!r}")
+        if tail_gate and not (context_tail and batch_aware):
+            raise ConfigError(
+                f"{CONFIG_KEY}.tail_gate: true needs context_tail above 0 and batch_aware true (it cuts the tail "
+                f"on the batch gate's cost curves; context_tail is {context_tail}, batch_aware {batch_aware})"
+            )
         costs = raw.get("costs")
         if costs is not None:
             if not isinstance(costs, str) or not costs:
@@ -144,6 +156,7 @@ class AdaptiveSpecConfig:
             grammar_mask=grammar_mask,
             min_drafts=min_drafts,
             context_tail=context_tail,
+            tail_gate=tail_gate,
         )
 
     @property

@@ -22,7 +22,7 @@ from benchmarks.paths import EAGLE3_HEAD, REPO, beside, load_prompts
 WORKLOADS = ("code_heldout", "prose_heldout")
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
-TAILS = (4, 15)  # the regime's context-tail rows (within the cap 16)
+TAILS = (4, 8, 15)  # the regime's context-tail rows (within the cap 16)
 NGRAM_KS = (4, 8, 16)  # vLLM's prompt lookup (method "ngram", n-grams of 2-4 tokens: benchmarks.vllm_run)
 VERIFY_CURVE_KS = (1, 2, 3, 4, 6, 8, 12)  # the regime's "plugin fixed K=k under cap 16" rows
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
@@ -204,9 +204,30 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                     for n in (2, 4)
                 ]
                 # ... and with a context tail (adaptive_spec.context_tail): the head drafts, the context adds
+                configs += [
+                    replace(
+                        alone, name=f"{alone.name}, context tail {m}", adaptive=alone.adaptive | {"context_tail": m}
+                    )
+                    for m in TAILS
+                ]
+                # ... and the gated rule with a short tail: the batched plan's row (the gate ends rounds
+                # for the whole batch; a tail adds no draft forward)
+                configs.append(replace(alone, name=f"{gated}, context tail 4", adaptive=rule | {"context_tail": 4}))
+                # ... without the tail gate (adaptive_spec.tail_gate: on by default with the batch gate)
                 configs.append(
                     replace(
-                        alone, name=f"{alone.name}, context tail 15", adaptive=alone.adaptive | {"context_tail": 15}
+                        alone,
+                        name=f"{gated}, context tail 4, no tail gate",
+                        adaptive=rule | {"context_tail": 4, "tail_gate": False},
+                    )
+                )
+                # ... and both gates on the costs the loop measures as it runs (a regime the bundled curves,
+                # the toy pair's, do not describe)
+                configs.append(
+                    replace(
+                        alone,
+                        name=f"{gated}, context tail 4, online costs",
+                        adaptive=rule | {"context_tail": 4, "costs": "online"},
                     )
                 )
     if regime:
@@ -401,6 +422,8 @@ def batch_plan(steady: bool = False) -> Plan:
     # vLLM's prompt lookup, and the context tail on copy (README, "The context tail")
     configs += [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name == "vLLM ngram K=4"]
     configs.append(_plugin("copy 0.7, context tail 4", "copy tail", {"policy": "copy", "context_tail": 4}, 4, True))
+    no_cut = {"policy": "copy", "context_tail": 4, "tail_gate": False}  # the tail gate's ablation
+    configs.append(_plugin("copy 0.7, context tail 4, no tail gate", "copy tail no gate", no_cut, 4, True))
     cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
     notes = ["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"]
     if steady:  # a busy endpoint: about 8 requests per slot, so most steps run a full batch

@@ -34,3 +34,26 @@ def test_a_context_tail_is_lossless_and_accepted(method, policy, lossless_prompt
     assert snap["tail_tokens"] > 100, snap["tail_tokens"]
     assert work["n_draft"] > snap["tail_tokens"] and work["n_accepted"] > 0, work
     assert max(int(k) for k in snap["drafted_len_hist"]) <= K
+
+
+def test_the_tail_gate_cuts_tails_that_cost_more_than_they_add(tmp_path, lossless_prompts, lossless_reference):
+    """With the batch gate on (confidence's default), a tail token is kept only where its expected
+    acceptance pays for its verification (policies/tail.py: TailGate). On curves where every verified
+    token costs as much as a pass over one, none does: every tail is cut, and output stays the target's;
+    with `tail_gate` off the same engine appends them."""
+    import json
+
+    steep = tmp_path / "steep.json"
+    steep.write_text(json.dumps({"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}))
+    tails = {}
+    for gated in (True, False):
+        cfg = {"policy": "confidence", "context_tail": TAIL, "costs": str(steep), "tail_gate": gated}
+        llm = make_llm(speculative_config=spec_config(K, "draft_model"), additional_config={"adaptive_spec": cfg})
+        try:
+            got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+            assert got == lossless_reference, first_mismatch(got, lossless_reference)
+            (snap,) = released_stats(llm)
+        finally:
+            close_llm(llm)
+        tails[gated] = snap["tail_tokens"]
+    assert tails[True] == 0 and tails[False] > 50, tails

@@ -288,6 +288,16 @@ def test_the_batch_gate_is_off_for_a_parallel_drafter_and_refused_when_asked_for
         check_engine_config(Engine())
     msg = str(err.value)
     assert msg.startswith("adaptive_spec.batch_aware: true") and "method='dflash'" in msg, msg
+    # the tail gate runs on the batch gate's costs: off with it, refused when asked for
+    Spec.num_speculative_tokens = 4
+    Engine.additional_config = {"adaptive_spec": {"policy": "svip", "context_tail": 2}}
+    cfg = check_engine_config(Engine())
+    assert cfg.context_tail == 2 and cfg.batch_aware is False and cfg.tail_gate is False
+    Engine.additional_config = {"adaptive_spec": {"policy": "svip", "context_tail": 2, "tail_gate": True}}
+    with pytest.raises(ConfigError) as err:
+        check_engine_config(Engine())
+    msg = str(err.value)
+    assert msg.startswith("adaptive_spec.tail_gate: true") and "method='dflash'" in msg, msg
     # the grammar stop too: the block comes from one forward, so there is no draft step to save
     Engine.additional_config = {"adaptive_spec": {"policy": "svip", "batch_aware": False}}
     cfg = check_engine_config(Engine())

@@ -67,6 +67,13 @@ def test_fixed_policy_with_k_drafts_k_under_the_cap():
             "adaptive_spec.context_tail: expected an integer from 0 to 64, got '4'",
         ),
         ({"policy": "pearl", "context_tail": 4}, "adaptive_spec.context_tail: 4 does not combine with policy 'pearl'"),
+        ({"policy": "copy", "context_tail": 4, "tail_gate": 1}, "adaptive_spec.tail_gate: expected true or false"),
+        ({"policy": "copy", "tail_gate": True}, "adaptive_spec.tail_gate: true needs context_tail above 0 and batch"),
+        (
+            {"policy": "fixed", "context_tail": 4, "tail_gate": True},
+            "adaptive_spec.tail_gate: true needs context_tail above 0 and batch_aware true (it cuts the tail on the "
+            "batch gate's cost curves; context_tail is 4, batch_aware False)",
+        ),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],
@@ -113,6 +120,12 @@ def test_context_tail_is_a_plugin_field_off_by_default():
     assert AdaptiveSpecConfig.from_dict({"policy": "svip"}).context_tail == 0
     cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8})
     assert cfg.context_tail == 8 and "context_tail" not in cfg.params
+    # the tail gate: on with a tail and the batch gate, off without either, off when asked
+    assert cfg.tail_gate is True and AdaptiveSpecConfig.from_dict({"policy": "svip"}).tail_gate is False
+    assert AdaptiveSpecConfig.from_dict({"policy": "fixed", "context_tail": 8}).tail_gate is False
+    assert AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8, "batch_aware": False}).tail_gate is False
+    off = AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8, "tail_gate": False})
+    assert off.tail_gate is False and off.batch_aware is True and "tail_gate" not in off.params
 
 
 def test_min_drafts_is_a_plugin_field_off_by_default():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.policies.tail import ContextTail, with_tail_probs
+from vllm_adaptive_spec.policies.tail import ContextTail, TailGate, with_tail_probs
 
 
 def tail_of(tokens: list[int], m: int = 8) -> ContextTail:
@@ -61,3 +61,27 @@ def test_tail_positions_get_one_hot_draft_probabilities():
     )
     assert torch.equal(got[0, 1:].amax(-1), torch.ones(3))
     assert with_tail_probs(probs.clone(), [[4], [0]], [1, 1]).shape == (2, 2, 5)  # no tail: as drawn
+
+
+def test_the_tail_gate_counts_what_the_target_reached_and_accepted():
+    gate = TailGate(3)  # priors: drafts 1 of 2, each tail position 1 of 2
+    gate.learn([2, 2, 0], [3, 3, 2], [3, 1, 2])
+    # row 0: both drafts kept, tail positions 0 (kept) and 1 (rejected) reached; row 1: its second draft
+    # rejected, its tail never reached; row 2: no drafts, its whole tail of 2 reached and kept
+    assert gate.drafts == [1.0 + 2 + 1, 2.0 + 2 + 2]
+    assert gate.reached == [2.0 + 2, 2.0 + 2, 2.0] and gate.accepted == [1.0 + 2, 1.0 + 1, 1.0]
+
+
+def test_the_tail_gate_keeps_the_length_with_the_most_output_per_time():
+    gate = TailGate(2)  # tail positions accepted half the time (the prior); one row with no drafts
+    # a pass costs the same over any number of tokens (a GPU at batch 1): the whole tail pays
+    assert gate.length([0], [2], 1.0, [0.0, 10.0, 10.0, 10.0]) == 2
+    # each token costs as much as the pass: none pays (1 / 11 > 1.5 / 21 > 1.75 / 31)
+    assert gate.length([0], [2], 1.0, [0.0, 10.0, 20.0, 30.0]) == 0
+    # the first tail token pays (1.5 / 13 > 1 / 11), the second does not (1.75 / 31)
+    assert gate.length([0], [2], 1.0, [0.0, 10.0, 12.0, 30.0]) == 1
+    # a row's drafts come first: its tail counts only if they all survive (a = 1/2: reach 1/4)
+    # G(0) = 1 + 1/2 + 1/4 over V(3) = 11 + 1; G(1) adds 1/8 over V(4) + 1
+    assert gate.length([2], [1], 1.0, [0.0, 0.0, 0.0, 11.0, 11.5]) == 1  # 1.875 / 12.5 > 1.75 / 12
+    assert gate.length([2], [1], 1.0, [0.0, 0.0, 0.0, 11.0, 12.0]) == 0  # 1.875 / 13 < 1.75 / 12
+    assert gate.length([1, 1], [0, 0], 1.0, [0.0] * 5) == 0  # no tail to keep

@@ -251,13 +251,20 @@ def test_eagle3_rows_and_their_regime_variant():
     gated = {c.name.replace(" (tuned", " gated (tuned") for c in tuned}  # the tuned rules with the gate on
     capped = {f"{c.name}, cap 8" for c in tuned}  # ... and alone under a cap of 8
     floors = {f"{c.name}, min {n} drafts" for c in tuned for n in (2, 4)}  # ... and above a floor of drafts
-    tails = {f"{c.name}, context tail 15" for c in tuned}  # ... and with the context tail
+    tails = {f"{c.name}, context tail {m}" for c in tuned for m in (4, 8, 15)}  # ... and with the context tail
+    gated_tails = {f"{n}, context tail 4" for n in gated}  # ... and gated with a short tail (batched)
+    # ... with the tail gate and without, and on the costs measured as it runs
+    gated_tails |= {f"{n}, {v}" for n in gated_tails for v in ("no tail gate", "online costs")}
     expected = {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped | floors | tails
+    expected |= gated_tails
     assert {c.name for c in regime} == expected
     by_name = {c.name: c for c in regime}
     assert all(by_name[n].adaptive["min_drafts"] == int(n[-8]) for n in floors)
-    assert all(by_name[n].adaptive["context_tail"] == 15 and by_name[n].k == 16 for n in tails)
-    assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated)
+    assert all(by_name[n].adaptive["context_tail"] == int(n.split()[-1]) and by_name[n].k == 16 for n in tails)
+    assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated | gated_tails)
+    assert all(by_name[n].adaptive["context_tail"] == 4 for n in gated_tails)
+    assert all(by_name[n].adaptive.get("tail_gate", True) == ("no tail gate" not in n) for n in gated_tails)
+    assert all((by_name[n].adaptive.get("costs") == "online") == ("online" in n) for n in gated_tails)
     assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
     ahead = {c.name: c for c in regime_plan().configs}["svip h=0.3, prepared ahead"]

@@ -105,6 +105,14 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
             f"adaptive_spec.batch_aware: true does not combine with speculative_config.method={method!r} "
             "(the block is drafted in one forward, so there is no next draft step to weigh)",
         )
+        cfg = _off_here(
+            vllm_config,
+            cfg,
+            "tail_gate",
+            f"adaptive_spec.tail_gate: true does not combine with speculative_config.method={method!r} "
+            "(it cuts the tail on the batch gate's costs, and the batch gate is off for a block drafted in one "
+            "forward)",
+        )
         if cfg.compact_drafts:
             raise ConfigError(
                 f"adaptive_spec.compact_drafts: true does not combine with speculative_config.method={method!r} "

@@ -52,7 +52,7 @@ from vllm_adaptive_spec.integration.grammar import GrammarStops
 from vllm_adaptive_spec.policies import StopPolicy
 from vllm_adaptive_spec.policies.batch_gate import draft_top
 from vllm_adaptive_spec.policies.step import decisions_to_host, policy_logprobs, rows_to_compute
-from vllm_adaptive_spec.policies.tail import ContextTail, with_tail_probs
+from vllm_adaptive_spec.policies.tail import ContextTail, TailGate, with_tail_probs
 from vllm_adaptive_spec.policies.timing import Clock, TimedPolicy
 from vllm_adaptive_spec.stats import StatsBook
 
@@ -103,6 +103,8 @@ class AdaptiveDraftLoop:
         # last round, the drafter's drafts before it (the policy and the gate learn from those only)
         self.tail = ContextTail(cfg.context_tail) if cfg.context_tail else None
         self._before_tail: dict[str, int] = {}
+        # ... cut to what pays for its verification where the batch gate runs, on its curves (tail.py)
+        self.tail_gate = TailGate(cfg.context_tail) if cfg.tail_gate and self.gate is not None else None
         if cfg.time_policy:
             self.stats.clock = Clock()
             self.stats.clock.watch_gc()
@@ -130,6 +132,13 @@ class AdaptiveDraftLoop:
         generated = [1] * batch if self._valid_counts is None else self._valid_counts[:batch].tolist()
         drafted = self._verified_drafts or [0] * batch
         self.stats.record_verification(req_ids, drafted, generated)
+        if self.tail_gate is not None:  # what the target made of the drafter's drafts and the tails
+            rows = [i for i, (n, g) in enumerate(zip(drafted, generated)) if n > 0 and g > 0]
+            own = [min(drafted[i], self._before_tail.get(req_ids[i], drafted[i])) for i in rows]
+            with self._timed():
+                self.tail_gate.learn(
+                    own, [drafted[i] - d for i, d in zip(rows, own)], [min(generated[i] - 1, drafted[i]) for i in rows]
+                )
         if self._before_tail:  # the policy and the gate see their drafter's drafts only
             drafted = [min(n, self._before_tail.get(r, n)) for r, n in zip(req_ids, drafted)]
             self._before_tail.clear()
@@ -310,7 +319,7 @@ class AdaptiveDraftLoop:
         if cap == 0 or max(limits) == 0:
             self.stats.record_proposal([0] * batch, forwards)
             self._meter_round(req_ids, None, forwards)
-            return self._append_tail(req_ids, [[] for _ in range(batch)], rooms)
+            return self._append_tail(req_ids, [[] for _ in range(batch)], rooms, forwards)
 
         # A parallel drafter (DFlash) drafted the whole block in the first pass: its step t reads
         # block position t, no forward; the loop and the policy's stops are the same.
@@ -453,16 +462,27 @@ class AdaptiveDraftLoop:
         self.stats.record_proposal(lengths, forwards, req_ids, drawn, None if rows is None else rows.saved)
         # (a round whose later forwards computed fewer rows says nothing about a step of the whole batch)
         self._meter_round(req_ids, steps_start if rows is None or rows.index is None else None, forwards)
-        return self._append_tail(req_ids, [row[:n] for row, n in zip(drafts, lengths)], rooms)
+        return self._append_tail(req_ids, [row[:n] for row, n in zip(drafts, lengths)], rooms, forwards)
 
-    def _append_tail(self, req_ids: list[str], drafts: list[list[int]], rooms: list[int]) -> list[list[int]]:
-        """Each row's drafts followed by the tokens its context predicts after them (room allowing), with
-        one-hot draft probabilities where the round drew from distributions (policies/tail.py)."""
+    def _append_tail(
+        self, req_ids: list[str], drafts: list[list[int]], rooms: list[int], forwards: int
+    ) -> list[list[int]]:
+        """Each row's drafts followed by the tokens its context predicts after them (room allowing), cut
+        to what pays for its verification where the batch gate runs, with one-hot draft probabilities
+        where the round drew from distributions (policies/tail.py)."""
         if self.tail is None:
             return drafts
+        extras = [self.tail.tail(r, row, room - len(row)) for r, row, room in zip(req_ids, drafts, rooms)]
+        batch = len(req_ids)
+        if self.tail_gate is not None and batch >= self.policy.gate_min_rows and any(extras):
+            with self._timed():
+                costs = self.gate.costs
+                lengths = [len(row) for row in drafts]
+                verify = costs.verify_list(batch * (self.num_speculative_tokens + 1))
+                keep = self.tail_gate.length(lengths, [len(e) for e in extras], forwards * costs.draft(batch), verify)
+                extras = [e[:keep] for e in extras]
         out = []
-        for req_id, row, room in zip(req_ids, drafts, rooms):
-            extra = self.tail.tail(req_id, row, room - len(row))
+        for req_id, row, extra in zip(req_ids, drafts, extras):
             if extra:
                 self._before_tail[req_id] = len(row)
                 self.stats.record_tail(req_id, len(extra))

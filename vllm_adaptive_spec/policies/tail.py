@@ -13,6 +13,9 @@ bundled draft model (README, "The context tail"), S at c = 4 went from copy's 1.
 to 2.59 / 3.18 with a tail of 15, against prompt lookup alone at 2.67 / 3.55: the toy target's outputs
 repeat their context heavily, so there lookup is the stronger drafter; real models repeat less.
 
+Where the batch gate runs, `TailGate` cuts the tails to the length that pays for its verification on the
+gate's cost curves (its docstring; `adaptive_spec.tail_gate`).
+
 Lossless: the tail is a function of tokens known before it is proposed (a draft of probability one:
 the loop gives vLLM's rejection sampler one-hot draft probabilities for it), so sampling keeps the
 target's distribution and greedy output is the target's. Host-side only: per request a list of its
@@ -94,6 +97,62 @@ class ContextTail:
         """The tokens to append after `drafts`: at most max_tokens, at most `room`."""
         h = self._histories.get(req_id)
         return [] if h is None else h.follow(drafts, min(self.max_tokens, room))
+
+
+class TailGate:
+    """Whether a tail's tokens pay for their verification, at the batch's measured costs.
+
+    A tail costs no draft forward, but every tail token is one more token the target verifies, and where
+    a pass costs more the more tokens it verifies (a CPU, or a GPU past its bandwidth-bound batch sizes)
+    a token accepted half the time may cost more than it adds. After a round's drafts the gate cuts every
+    row's tail to the common length L (0 up to the longest) at which the round's expected output per unit
+    of time is largest, as the batch gate (batch_gate.py) judges a draft step:
+
+        G(L) = n + sum_i sum_{j <= d_i} a^j + sum_i a^{d_i} sum_{l <= min(L, t_i)} prod_{k <= l} p_k
+        C(L) = draft side + V(n + sum_i d_i + sum_i min(L, t_i))
+
+    n rows, d_i drafts and t_i tail tokens in row i; a: the drafter's acceptance rate, p_k: the rate at
+    which a tail token at position k was accepted once the target reached it, both counted online from
+    what the target accepted (a Beta(1, 1) prior each); V: the cost curve of a pass over x tokens and the
+    draft side: the round's forwards at D(n) (`costs.StepCosts`). It runs where the batch gate runs
+    (`adaptive_spec.batch_aware`) and on its curves. The cut uses only what was known before the tail
+    was proposed (earlier rounds, this round's drafts), and tail tokens are drafts of probability one, so
+    dropping them keeps the target's distribution.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.drafts = [1.0, 2.0]  # the drafter's drafts: accepted, reached (Beta(1, 1) prior)
+        self.reached = [2.0] * max_tokens  # per tail position: the target reached it (prior 2)
+        self.accepted = [1.0] * max_tokens  # ... and accepted it (prior 1)
+
+    def learn(self, drafts: list[int], tails: list[int], accepted: list[int]) -> None:
+        """Per verified row: the drafter's drafts, its tail tokens, and the drafts the target accepted."""
+        for d, t, a in zip(drafts, tails, accepted):
+            self.drafts[0] += min(a, d)
+            self.drafts[1] += min(a + 1, d)
+            for k in range(min(t, a - d + 1) if a >= d else 0):  # tail position k was reached
+                self.reached[k] += 1.0
+                self.accepted[k] += float(a >= d + k + 1)
+
+    def length(self, drafts: list[int], tails: list[int], draft_ms: float, verify: list[float]) -> int:
+        """The common tail length that maximizes G(L) / C(L) (class docstring); verify: pass cost per
+        token count, 0 .. at least n + sum(drafts) + sum(tails)."""
+        a = self.drafts[0] / self.drafts[1]
+        p = [x / y for x, y in zip(self.accepted, self.reached)]
+        tokens = len(drafts) + sum(drafts)
+        gain = len(drafts) + sum(a * (1.0 - a**d) / (1.0 - a) if a < 1.0 else float(d) for d in drafts)
+        reach = [a**d for d in drafts]  # per row: the target reaches its tail
+        best, best_rate = 0, gain / (draft_ms + verify[tokens])
+        for length in range(1, min(max(tails, default=0), len(p)) + 1):
+            for i, t in enumerate(tails):
+                if t >= length:
+                    reach[i] *= p[length - 1]
+                    gain += reach[i]
+                    tokens += 1
+            rate = gain / (draft_ms + verify[tokens])
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return best
 
 
 def with_tail_probs(probs: torch.Tensor, drafts: list[list[int]], starts: list[int]) -> torch.Tensor:
