@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive_spec.policies.tail import ContextTail, TailGate, with_tail_probs
+from vllm_adaptive_spec.policies.tail import WINDOW, ContextTail, TailGate, with_tail_probs
 
 
 def tail_of(tokens: list[int], m: int = 8) -> ContextTail:
@@ -70,6 +70,10 @@ def test_the_tail_gate_counts_what_the_target_reached_and_accepted():
     # rejected, its tail never reached; row 2: no drafts, its whole tail of 2 reached and kept
     assert gate.drafts == [1.0 + 2 + 1, 2.0 + 2 + 2]
     assert gate.reached == [2.0 + 2, 2.0 + 2, 2.0] and gate.accepted == [1.0 + 2, 1.0 + 1, 1.0]
+    # a long run's counts halve past WINDOW trials, so the rates follow the workload
+    for _ in range(WINDOW):
+        gate.learn([1], [1], [0])  # the draft rejected: its tail never reached
+    assert gate.drafts[1] <= WINDOW and gate.drafts[0] / gate.drafts[1] < 0.01
 
 
 def test_the_tail_gate_keeps_the_length_with_the_most_output_per_time():

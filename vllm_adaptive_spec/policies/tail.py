@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 MIN_N, MAX_N = 2, 3  # n-gram lengths matched (longest first)
+WINDOW = 4096  # TailGate: a rate's counts halve once they pass this many trials (it follows the workload)
 
 
 class _History:
@@ -113,11 +114,11 @@ class TailGate:
 
     n rows, d_i drafts and t_i tail tokens in row i; a: the drafter's acceptance rate, p_k: the rate at
     which a tail token at position k was accepted once the target reached it, both counted online from
-    what the target accepted (a Beta(1, 1) prior each); V: the cost curve of a pass over x tokens and the
-    draft side: the round's forwards at D(n) (`costs.StepCosts`). It runs where the batch gate runs
-    (`adaptive_spec.batch_aware`) and on its curves. The cut uses only what was known before the tail
-    was proposed (earlier rounds, this round's drafts), and tail tokens are drafts of probability one, so
-    dropping them keeps the target's distribution.
+    what the target accepted (a Beta(1, 1) prior each; the counts halve past WINDOW trials); V: the cost
+    curve of a pass over x tokens and the draft side: the round's forwards at D(n) (`costs.StepCosts`).
+    It runs where the batch gate runs (`adaptive_spec.batch_aware`) and on its curves. The cut uses only
+    what was known before the tail was proposed (earlier rounds, this round's drafts), and tail tokens
+    are drafts of probability one, so dropping them keeps the target's distribution.
     """
 
     def __init__(self, max_tokens: int):
@@ -133,6 +134,11 @@ class TailGate:
             for k in range(min(t, a - d + 1) if a >= d else 0):  # tail position k was reached
                 self.reached[k] += 1.0
                 self.accepted[k] += float(a >= d + k + 1)
+        if self.drafts[1] > WINDOW:
+            self.drafts = [x / 2 for x in self.drafts]
+        for k, n in enumerate(self.reached):
+            if n > WINDOW:
+                self.reached[k], self.accepted[k] = n / 2, self.accepted[k] / 2
 
     def length(self, drafts: list[int], tails: list[int], draft_ms: float, verify: list[float]) -> int:
         """The common tail length that maximizes G(L) / C(L) (class docstring); verify: pass cost per
