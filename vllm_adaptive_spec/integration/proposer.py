@@ -132,16 +132,19 @@ class AdaptiveDraftLoop:
         generated = [1] * batch if self._valid_counts is None else self._valid_counts[:batch].tolist()
         drafted = self._verified_drafts or [0] * batch
         self.stats.record_verification(req_ids, drafted, generated)
+        own = drafted  # the drafter's drafts, without last round's tails
+        if self._before_tail:
+            own = [min(n, self._before_tail.get(r, n)) for r, n in zip(req_ids, drafted)]
+            self._before_tail.clear()
         if self.tail_gate is not None:  # what the target made of the drafter's drafts and the tails
             rows = [i for i, (n, g) in enumerate(zip(drafted, generated)) if n > 0 and g > 0]
-            own = [min(drafted[i], self._before_tail.get(req_ids[i], drafted[i])) for i in rows]
             with self._timed():
                 self.tail_gate.learn(
-                    own, [drafted[i] - d for i, d in zip(rows, own)], [min(generated[i] - 1, drafted[i]) for i in rows]
+                    [own[i] for i in rows],
+                    [drafted[i] - own[i] for i in rows],
+                    [min(generated[i] - 1, drafted[i]) for i in rows],
                 )
-        if self._before_tail:  # the policy and the gate see their drafter's drafts only
-            drafted = [min(n, self._before_tail.get(r, n)) for r, n in zip(req_ids, drafted)]
-            self._before_tail.clear()
+        drafted = own  # the policy and the gate see their drafter's drafts only
         decoding = [i for i, n in enumerate(generated) if n > 0 and drafted[i] > 0]
         outcome = (
             [req_ids[i] for i in decoding],
