@@ -108,7 +108,7 @@ class AdaptiveSpecConfig:
             )
         min_drafts = _draft_count(raw, "min_drafts", policy)
         context_tail = _draft_count(raw, "context_tail", policy)
-        tail_gate = raw.get("tail_gate", bool(context_tail) and batch_aware)
+        tail_gate = raw.get("tail_gate", False)  # opt-in: README, "The context tail"
         if not isinstance(tail_gate, bool):
             raise ConfigError(f"{CONFIG_KEY}.tail_gate: expected true or false, got {tail_gate!r}")
         if tail_gate and not (context_tail and batch_aware):

@@ -23,6 +23,7 @@ class StatsBook:
     drafted_len_hist: Counter = field(default_factory=Counter)  # proposed draft length -> rounds
     rows_saved: int = 0  # compact_drafts: row computations draft forwards left out (rows that had stopped)
     tail_tokens: int = 0  # context_tail: draft tokens the requests' contexts added after the drafter's
+    tail_cut: int = 0  # tail_gate: tail tokens the contexts offered that the gate cut (not in tail_tokens)
     clock: Clock | None = None  # set with adaptive_spec.time_policy
 
     def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
@@ -82,5 +83,6 @@ class StatsBook:
             "drafted_len_hist": dict(sorted(self.drafted_len_hist.items())),
             "rows_saved": self.rows_saved,
             "tail_tokens": self.tail_tokens,
+            "tail_cut": self.tail_cut,
             **({"timing": self.clock.as_dict()} if self.clock is not None else {}),
         }

@@ -211,9 +211,11 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                     for m in TAILS
                 ]
                 # ... and the gated rule with a short tail: the batched plan's row (the gate ends rounds
-                # for the whole batch; a tail adds no draft forward)
-                configs.append(replace(alone, name=f"{gated}, context tail 4", adaptive=rule | {"context_tail": 4}))
-                # ... without the tail gate (adaptive_spec.tail_gate: on by default with the batch gate)
+                # for the whole batch; a tail adds no draft forward), with the tail gate (adaptive_spec.tail_gate,
+                # the default until 2026-12-06: these rows keep the names they were reported under)
+                tail = rule | {"context_tail": 4, "tail_gate": True}
+                configs.append(replace(alone, name=f"{gated}, context tail 4", adaptive=tail))
+                # ... without the tail gate (the plugin's default)
                 configs.append(
                     replace(
                         alone,
@@ -227,7 +229,7 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                     replace(
                         alone,
                         name=f"{gated}, context tail 4, online costs",
-                        adaptive=rule | {"context_tail": 4, "costs": "online"},
+                        adaptive=tail | {"costs": "online"},
                     )
                 )
     if regime:
@@ -421,9 +423,12 @@ def batch_plan(steady: bool = False) -> Plan:
     ]
     # vLLM's prompt lookup, and the context tail on copy (README, "The context tail")
     configs += [Config(**(c.to_dict() | {"timed": True})) for c in full.configs if c.name == "vLLM ngram K=4"]
-    configs.append(_plugin("copy 0.7, context tail 4", "copy tail", {"policy": "copy", "context_tail": 4}, 4, True))
-    no_cut = {"policy": "copy", "context_tail": 4, "tail_gate": False}  # the tail gate's ablation
+    # (with the tail gate, the default until 2026-12-06: the rows keep the names they were reported under)
+    cut = {"policy": "copy", "context_tail": 4, "tail_gate": True}
+    configs.append(_plugin("copy 0.7, context tail 4", "copy tail", cut, 4, True))
+    no_cut = {"policy": "copy", "context_tail": 4, "tail_gate": False}  # the plugin's default
     configs.append(_plugin("copy 0.7, context tail 4, no tail gate", "copy tail no gate", no_cut, 4, True))
+    configs.append(_plugin("copy 0.7, context tail 4, online costs", "copy tail online", cut | online, 4, True))
     cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
     notes = ["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"]
     if steady:  # a busy endpoint: about 8 requests per slot, so most steps run a full batch

@@ -95,7 +95,7 @@ def plugin_totals(llm) -> dict[str, Any]:
     """The plugin's own records, summed over workers: exact counts, draft-length histogram,
     draft forwards per engine step and the policy's in-engine timing."""
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0, "n_tail": 0}
-    out |= {"hist": {}, "forwards": {}}
+    out |= {"hist": {}, "forwards": {}, "tail_cut": 0, "none_rounds": 0}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
     timing |= {"steady_rounds": 0, "steady_gap_s": 0.0, "steady_target_s": 0.0, "gc_s": 0.0, "gc_runs": 0}
     parallel = dict.fromkeys(
@@ -104,6 +104,8 @@ def plugin_totals(llm) -> dict[str, Any]:
     for snap in stats(llm):
         for key in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn", "n_tail"):
             out[key] += snap["workload"][key]
+        out["tail_cut"] += snap["tail_cut"]
+        out["none_rounds"] += snap.get("gate_none_rounds", 0)  # batch gate: rounds that verified no draft
         for name, src in (("hist", "drafted_len_hist"), ("forwards", "forwards_per_step")):
             for k, n in snap[src].items():
                 out[name][int(k)] = out[name].get(int(k), 0) + n
@@ -206,6 +208,8 @@ class CellRun:
         if self.plugin:
             own = _delta(plugin_totals(self.llm), self.own0, cell.repeats)
             row |= {k: own[k] for k in ("n_gen", "n_target", "n_draft", "n_accepted", "n_drawn", "n_tail")}
+            row["n_tail_cut"] = own["tail_cut"]  # tail tokens the tail gate cut
+            row["gate_none_rounds"] = own["none_rounds"]  # rounds the batch gate verified no draft in
             row["draft_len_hist"] = dict(sorted(own["hist"].items()))
             row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
             row["policy_timing"] = own["timing"]  # per pass, this cell's batch size

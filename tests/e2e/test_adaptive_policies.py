@@ -156,6 +156,24 @@ def test_batch_of_64_is_lossless(ref_llm):
     assert snap["gate_held_rounds"] > 0, snap
 
 
+def test_the_gate_verifies_no_draft_where_verification_is_compute_bound(tmp_path, lossless_prompts, lossless_reference):
+    """On curves where a pass costs 10 ms a token (compute-bound), one draft a row adds less than it costs
+    at any acceptance below 0.95 (policies/batch_gate.py: no_draft_round): the gate verifies no draft in
+    most rounds and drafts one round after each hold (its probe); greedy output stays the target's."""
+    steep = tmp_path / "steep.json"
+    steep.write_text(json.dumps({"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}))
+    adaptive = {"policy": "confidence", "costs": str(steep)}
+    llm = make_llm(speculative_config=spec_config(CAP), additional_config={"adaptive_spec": adaptive})
+    try:
+        got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+        (snap,) = released_stats(llm)
+    finally:
+        close_llm(llm)
+    assert got == lossless_reference, first_mismatch(got, lossless_reference)
+    rounds = sum(snap["forwards_per_step"].values())
+    assert snap["gate_none_rounds"] > rounds / 2 and snap["workload"]["n_draft"] > 0, snap
+
+
 def test_a_block_read_at_once_is_cut_where_step_by_step_cuts_it(lossless_prompts):
     """DFlash with prepare_ahead (the CUDA order: the policy decides every position of the block, then
     the host reads all the decisions once) against the step-by-step loop: the same cuts, so the same

@@ -55,5 +55,6 @@ def test_the_tail_gate_cuts_tails_that_cost_more_than_they_add(tmp_path, lossles
             (snap,) = released_stats(llm)
         finally:
             close_llm(llm)
-        tails[gated] = snap["tail_tokens"]
-    assert tails[True] == 0 and tails[False] > 50, tails
+        tails[gated] = snap["tail_tokens"], snap["tail_cut"]
+    # gated: everything offered was cut (and counted as cut); ungated: appended, nothing counted as cut
+    assert tails[True][0] == 0 and tails[True][1] > 50 and tails[False][0] > 50 and tails[False][1] == 0, tails

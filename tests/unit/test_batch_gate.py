@@ -207,3 +207,29 @@ def test_no_hold_below_the_minimum_batch():
     gate = _gate(1)
     assert not gate.after_step([_top(0.8)], [True], [True], [1], t=0)  # as in the hand-computed case
     assert not gate.one_step_round(1)
+
+
+def test_no_draft_verdict_on_hand_computed_costs_holds_then_probes():
+    """Before a round, from earlier rounds only: with D = 1 and V(x) = 2 + 0.5 x, 32 rows verify no draft
+    when n (D + V(n + m)) >= (n + m a) (D + V(n)), i.e. 32 x 35 = 1120 >= (32 + 32 a) x 19: a <= 0.842.
+    At the prior a = 1/2 that holds; at 4 rows (4 x 7 = 28 against (4 + 4 a) x 5: a <= 0.4) it does not.
+    A verdict holds for HOLD_ROUNDS rounds of at least as many rows, then one round drafts (a probe)."""
+    from vllm_adaptive_spec.policies.batch_gate import HOLD_ROUNDS
+
+    gate = BatchGate(COSTS)
+    assert not gate.no_draft_round(4, 4) and not gate.no_draft_round(32, 0)  # nothing to drop
+    assert [gate.no_draft_round(32, 32) for _ in range(HOLD_ROUNDS)] == [True] * HOLD_ROUNDS
+    assert not gate.no_draft_round(32, 32)  # the probe
+    assert gate.no_draft_round(40, 40) and not gate.no_draft_round(4, 4)  # a smaller batch ends the hold
+    assert gate.none_rounds == HOLD_ROUNDS + 1
+    # first drafts accepted 9 times in 10: a = (1 + 9 k) / (2 + 10 k) -> 0.9 > 0.842, so 32 rows draft again
+    ids = [f"r{i}" for i in range(10)]
+    for _ in range(50):
+        gate.end_round(ids, [2] * 10, [0] + [1] * 9)
+    assert gate._first[0] / gate._first[1] > 0.89
+    assert not gate.no_draft_round(32, 32)
+    # ... and at 0.8 they do not
+    gate = BatchGate(COSTS)
+    for _ in range(50):
+        gate.end_round(ids, [2] * 10, [0, 0] + [2] * 8)
+    assert gate.no_draft_round(32, 32)

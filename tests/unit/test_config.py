@@ -120,12 +120,11 @@ def test_context_tail_is_a_plugin_field_off_by_default():
     assert AdaptiveSpecConfig.from_dict({"policy": "svip"}).context_tail == 0
     cfg = AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8})
     assert cfg.context_tail == 8 and "context_tail" not in cfg.params
-    # the tail gate: on with a tail and the batch gate, off without either, off when asked
-    assert cfg.tail_gate is True and AdaptiveSpecConfig.from_dict({"policy": "svip"}).tail_gate is False
+    # the tail gate: off by default (since 2026-12-06, README "The context tail"), on when asked
+    assert cfg.tail_gate is False and AdaptiveSpecConfig.from_dict({"policy": "svip"}).tail_gate is False
     assert AdaptiveSpecConfig.from_dict({"policy": "fixed", "context_tail": 8}).tail_gate is False
-    assert AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8, "batch_aware": False}).tail_gate is False
-    off = AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8, "tail_gate": False})
-    assert off.tail_gate is False and off.batch_aware is True and "tail_gate" not in off.params
+    on = AdaptiveSpecConfig.from_dict({"policy": "svip", "context_tail": 8, "tail_gate": True})
+    assert on.tail_gate is True and on.batch_aware is True and "tail_gate" not in on.params
 
 
 def test_min_drafts_is_a_plugin_field_off_by_default():

@@ -263,7 +263,7 @@ def test_eagle3_rows_and_their_regime_variant():
     assert all(by_name[n].adaptive["context_tail"] == int(n.split()[-1]) and by_name[n].k == 16 for n in tails)
     assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated | gated_tails)
     assert all(by_name[n].adaptive["context_tail"] == 4 for n in gated_tails)
-    assert all(by_name[n].adaptive.get("tail_gate", True) == ("no tail gate" not in n) for n in gated_tails)
+    assert all(by_name[n].adaptive["tail_gate"] == ("no tail gate" not in n) for n in gated_tails)
     assert all((by_name[n].adaptive.get("costs") == "online") == ("online" in n) for n in gated_tails)
     assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
@@ -291,6 +291,14 @@ def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
     # the plugin's own loop at vLLM K=1's and K=2's settings, gate off
     loop = [c for c in plan.configs if c.family == "plugin fixed"]
     assert [(c.k, c.adaptive) for c in loop] == [(1, {"policy": "fixed"}), (2, {"policy": "fixed"})]
+    # copy with the context tail: both gates on the bundled curves, the tail gate off, both on measured costs
+    tails = {c.name: c.adaptive for c in plan.configs if "context tail" in c.name}
+    tail = {"policy": "copy", "context_tail": 4}
+    assert tails == {
+        "copy 0.7, context tail 4": tail | {"tail_gate": True},
+        "copy 0.7, context tail 4, no tail gate": tail | {"tail_gate": False},
+        "copy 0.7, context tail 4, online costs": tail | {"tail_gate": True, "costs": "online"},
+    }
     use_drafter(argparse.Namespace(drafter="eagle3", regime=False, batched=True), plan)
     names = {c.name for c in plan.configs}
     assert {"confidence 0.75 (tuned on train, c=4)", "confidence 0.75 gated (tuned on train, c=4)"} <= names

@@ -292,7 +292,12 @@ class AdaptiveDraftLoop:
         gate = self.gate if batch >= self.policy.gate_min_rows else None
         if gate is not None:
             with self._timed():
-                if gate.one_step_round(batch):  # the gate's recent verdict: one step, no gate work
+                none = self.min_drafts == 0 and gate.no_draft_round(batch, sum(n > 0 for n in limits))
+                if self._tp_group is not None:  # every rank takes rank 0's verdict (measured costs are its own)
+                    none = bool(self._tp_group.broadcast(torch.tensor([int(none)], device=self.device), src=0).item())
+                if none:  # no draft pays for this batch: the first pass only (it reads the verified tokens)
+                    gate, limits = None, [0] * batch
+                elif gate.one_step_round(batch):  # the gate's recent verdict: one step, no gate work
                     gate, limits = None, [min(n, max(1, self.min_drafts)) for n in limits]
 
         # First pass: the draft reads the verified tokens; its last position per row drafts token 0.
@@ -482,8 +487,10 @@ class AdaptiveDraftLoop:
                 costs = self.gate.costs
                 lengths = [len(row) for row in drafts]
                 verify = costs.verify_list(batch * (self.num_speculative_tokens + 1))
-                keep = self.tail_gate.length(lengths, [len(e) for e in extras], forwards * costs.draft(batch), verify)
+                offered = [len(e) for e in extras]
+                keep = self.tail_gate.length(lengths, offered, forwards * costs.draft(batch), verify)
                 extras = [e[:keep] for e in extras]
+                self.stats.tail_cut += sum(offered) - sum(map(len, extras))
         out = []
         for req_id, row, extra in zip(req_ids, drafts, extras):
             if extra:

@@ -66,7 +66,11 @@ def worker_stats(runner: Any = None) -> list[dict]:
             "prepare_ahead": p.prepare_ahead,
             "compact_drafts": p.compact_drafts,
         }
-        | ({"gate_held_rounds": p.gate.held_rounds} if p.gate is not None else {})
+        | (
+            {"gate_held_rounds": p.gate.held_rounds, "gate_none_rounds": p.gate.none_rounds}
+            if p.gate is not None
+            else {}
+        )
         | (
             {
                 "grammar_stops": p.grammar.stops,

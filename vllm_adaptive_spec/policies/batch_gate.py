@@ -37,7 +37,11 @@ are (its verification grows with the rows, its gain only with their
 acceptance), and at batch 4 to 32 on the toy pair the rule ended every
 round after one step: there the gate's per-step work was pure overhead.
 The hold is decided before the round's first draft, from earlier rounds
-only, so it drops no draft.
+only, so it drops no draft. So is a round with no draft at all
+(`no_draft_round`): where one draft a row adds less than it costs on the
+curves at the first drafts' counted acceptance rate (compute-bound
+verification), the round verifies none, held like the one-step verdict,
+with a drafting round after each hold to keep measuring.
 
 With `adaptive_spec.costs = "online"` the curves are measured as the engine
 runs (`costs.CostMeter`): the loop times each target pass between two rounds
@@ -65,6 +69,7 @@ HOLD_ROUNDS = 8  # a one-step verdict covers this round and the next 7 (of at le
 HOLD_MIN_ROWS = 4  # smaller rounds never hold
 REFIT_ROUNDS = 50  # the acceptance estimator is refitted this often
 COST_REFRESH_ROUNDS = 64  # with measured costs (`online`), the curves are rebuilt this often
+FIRST_WINDOW = 4096  # the first drafts' acceptance counts halve past this many
 
 
 def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.Tensor:
@@ -99,6 +104,39 @@ class BatchGate:
         self._verify: list[float] = []  # pass cost per token count, 0..n (cap + 1)
         self._hold, self._hold_rows = 0, 0  # one-step rounds left, and the batch size they hold for
         self.held_rounds = 0  # rounds drafted as one step without the gate (statistics)
+        self._first = [1.0, 2.0]  # first drafts accepted, first drafts verified (a Beta(1, 1) prior)
+        self._none, self._none_rows = 0, 0  # no-draft rounds left, and the batch size they hold for
+        self._probe = False  # the round after a no-draft hold drafts, to keep measuring what drafting gives
+        self.none_rounds = 0  # rounds that verified no draft on the gate's verdict (statistics)
+
+    def no_draft_round(self, n: int, drafting: int) -> bool:
+        """Before a round of n rows, `drafting` of which would draft: True when it verifies no draft at
+        all, because even one draft a row costs more than it adds for the batch. Decided from earlier
+        rounds only (the first drafts' acceptance rate a, counted from verification, and the cost
+        curves), never from this round's drafts, so it drops nothing a draft revealed (ALGORITHMS.md):
+
+            n (D(n) + V(n + m)) >= (n + m a) (D(n) + V(n))     (m = drafting; D(n) paid either way:
+                                                                 the first pass reads the verified tokens)
+
+        A verdict holds for HOLD_ROUNDS rounds of at least as many rows; the round after them drafts as
+        usual, so the rate and (with `online` costs) the cost of a pass with drafts keep being measured."""
+        if self._none > 0 and n >= self._none_rows:
+            self._none -= 1
+            self._probe = self._none == 0
+            self.none_rounds += 1
+            return True
+        self._none = 0
+        if self._probe or drafting == 0:
+            self._probe = False
+            return False
+        a = self._first[0] / self._first[1]
+        verify = self.costs.verify_list(n + drafting)  # [n + drafting + 1]
+        draft = self.costs.draft(n)
+        if n * (draft + verify[n + drafting]) < (n + drafting * a) * (draft + verify[n]):
+            return False
+        self._none, self._none_rows = HOLD_ROUNDS - 1, n
+        self.none_rounds += 1
+        return True
 
     def one_step_round(self, n: int) -> bool:
         """Before a round of n rows: True when it drafts one step and skips the gate (a recent round
@@ -162,6 +200,10 @@ class BatchGate:
 
     def end_round(self, req_ids: list[str], drafted: list[int], accepted: list[int]) -> None:
         """Per request: drafts verified and drafts accepted (labels as in `OnlineAcceptanceEstimator`)."""
+        first = self._first
+        first[0], first[1] = first[0] + sum(a > 0 for a in accepted), first[1] + len(accepted)
+        if first[1] > FIRST_WINDOW:  # the rate follows the workload
+            first[0], first[1] = first[0] / 2, first[1] / 2
         if self.estimator is None:
             return
         rows = [(*self._graded[r], a, d) for r, d, a in zip(req_ids, drafted, accepted) if r in self._graded]
