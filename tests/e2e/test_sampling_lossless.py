@@ -18,7 +18,7 @@ Covered: a fixed K, the token-dropping policies (SpecDec++, AdaEDL, Pacer;
 batch gate off, which would end most rounds first at 64 rows), the copy rule's
 stop (it reads the drawn token), the batch gate on its own (fixed K with
 `batch_aware`: on the bundled curves, rounds with no draft; on a GPU's, rounds
-it ends), `vllm_av`'s slot trimming, and the EAGLE-3 head with SVIP (gate on),
+it ends), `vllm_av`'s slot trimming, and the EAGLE-3 head with SVIP (gate on, a GPU's curves),
 an MTP layer with confidence (the tiny MiMo of benchmarks/toy_pair/mimo_mtp.py,
 its own target), and PEARL's parallel drafts (batch 1); and
 the context tail (tokens the context predicts, appended after the drafts), on a prompt that repeats
@@ -73,10 +73,11 @@ POLICIES = {
     "vllm_av": ("draft_model", {"policy": "vllm_av"}),
     # a stop that reads the drawn token (does it repeat the context?): a stopping time, never a drop
     "copy": ("draft_model", {"policy": "copy", **NO_GATE}),
-    "eagle3 svip": ("eagle3", {"policy": "svip"}),
+    # (drafters with the gate on: on the GPU's curves, so that their rounds draft at 64 rows and temperature 1)
+    "eagle3 svip": ("eagle3", {"policy": "svip", "costs": str(GPU_COSTS)}),
     "dflash confidence": ("dflash", {"policy": "confidence"}),  # the block cut where the rule stops
     # an MTP layer (the tiny MiMo of benchmarks/toy_pair/mimo_mtp.py, its own target), gate on
-    "mtp confidence": ("mtp", {"policy": "confidence"}),
+    "mtp confidence": ("mtp", {"policy": "confidence", "costs": str(GPU_COSTS)}),
     # parallel drafting: drafts kept only when the target's own token matched the thread's first one
     "pearl": ("draft_model", {"policy": "pearl"}),
 }
