@@ -24,6 +24,9 @@ class StatsBook:
     rows_saved: int = 0  # compact_drafts: row computations draft forwards left out (rows that had stopped)
     tail_tokens: int = 0  # context_tail: draft tokens the requests' contexts added after the drafter's
     tail_cut: int = 0  # tail_gate: tail tokens the contexts offered that the gate cut (not in tail_tokens)
+    # context_tail: tokens each round proposed for verification, drafts and tail -> rounds (empty without a
+    # tail: then it is drafted_len_hist); what a round's target pass verifies, for pricing passes by length
+    proposed_len_hist: Counter = field(default_factory=Counter)
     clock: Clock | None = None  # set with adaptive_spec.time_policy
 
     def record_verification(self, req_ids: list[str], drafted: list[int], generated: list[int]) -> None:
@@ -53,6 +56,10 @@ class StatsBook:
         """context_tail: n tokens the request's context predicted, appended after its drafts."""
         self.tail_tokens += n
         self._counts(req_id).n_tail += n
+
+    def record_proposed(self, lengths: list[int]) -> None:
+        """context_tail: one round's tokens per request sent to verification (drafts and tail)."""
+        self.proposed_len_hist.update(lengths)
 
     def _counts(self, req_id: str) -> SpecCounts:
         """The live request's counts (created on first use; not `setdefault`, which builds one per call)."""
@@ -84,5 +91,6 @@ class StatsBook:
             "rows_saved": self.rows_saved,
             "tail_tokens": self.tail_tokens,
             "tail_cut": self.tail_cut,
+            "proposed_len_hist": dict(sorted(self.proposed_len_hist.items())),
             **({"timing": self.clock.as_dict()} if self.clock is not None else {}),
         }

@@ -6,7 +6,8 @@ one length every step. Their clock splits each run into the draft side (`policy_
 the loop's own timer) and the rest: the target pass over 1 + m tokens, rejection sampling and the
 engine's bookkeeping. Per fixed row, R(m) = (seconds - propose_s) / steps at m = its mean kept
 drafts per step. Every plugin row on the cell is then predicted from its own draft side and its
-histogram of kept lengths, propose_s + sum_m hist[m] R(m), with R interpolated linearly between the
+histogram of kept lengths (with a context tail, of the tokens each round sent to verification: the
+drafts and the tail after them), propose_s + sum_m hist[m] R(m), with R interpolated linearly between the
 table's lengths (flat past the ends), and once more with R affine in m (least squares over the
 table): the shape the step-cost model of the wall-clock section assumes. Where the table predicts a
 row and the affine line does not, the gap comes from the cost curve's shape, not from the loop.
@@ -24,7 +25,8 @@ EXPLAINED = (
     "The plugin's fixed rows draft one length m every step; their own clock splits each run into the draft "
     "side and the rest of the step (the target pass over 1 + m tokens, rejection sampling, bookkeeping): "
     "R(m) = (seconds - draft side) / steps. Every plugin row is predicted from its own draft side plus "
-    "its histogram of kept lengths priced by R, interpolated between the table's lengths ('by the table'), "
+    "its histogram of kept lengths (with a context tail, drafts and tail tokens: what each pass verified) "
+    "priced by R, interpolated between the table's lengths ('by the table'), "
     "and by a line fitted to the same points ('by the affine line', the shape the step-cost model above "
     "assumes). Where the table predicts a row and the line does not, the shape of the cost curve explains "
     "the gap, not the loop."
@@ -36,8 +38,14 @@ def hist_total(hist: dict) -> float:
     return float(sum(int(k) * n for k, n in hist.items()))
 
 
+def _lengths(row: dict) -> dict:
+    """{m: rounds} of the tokens each round sent to verification: the drafts, and the context tail's
+    tokens after them where the row ran one (its passes verify those too)."""
+    return row.get("proposed_len_hist") or row.get("draft_len_hist") or {}
+
+
 def _mean_kept(row: dict) -> float:
-    hist = row.get("draft_len_hist") or {}
+    hist = _lengths(row)
     steps = sum(hist.values())
     return hist_total(hist) / steps if steps else float("nan")
 
@@ -66,7 +74,7 @@ def predict(row: dict, pts: list[tuple[float, float, str]]) -> tuple[float, floa
     ms = np.array([p[0] for p in pts])
     rs = np.array([p[1] for p in pts])
     slope, icept = np.polyfit(ms, rs, 1)
-    hist = {int(m): n for m, n in row["draft_len_hist"].items()}
+    hist = {int(m): n for m, n in _lengths(row).items()}
     lengths, counts = np.array(list(hist), dtype=float), np.array(list(hist.values()), dtype=float)
     draft = row["policy_timing"]["propose_s"]
     by_table = draft + float(counts @ np.interp(lengths, ms, rs))
@@ -79,18 +87,41 @@ def _forwards(row: dict) -> float:
     return hist_total(row.get("draft_forwards_per_step") or {})
 
 
+def _timed_fixed(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if _is_fixed(r) and r.get("policy_timing") and r.get("steps") and _forwards(r)]
+
+
+def draft_fit(rows: list[dict]) -> tuple[float, float] | None:
+    """(seconds per round, seconds per draft forward): the fixed rows' draft side per step fitted as a line
+    over their draft forwards per step; None without two draft lengths."""
+    fixed = _timed_fixed(rows)
+    if len({round(_forwards(r) / r["steps"], 1) for r in fixed}) < 2:
+        return None
+    fw = np.array([_forwards(r) / r["steps"] for r in fixed])
+    side = np.array([r["policy_timing"]["propose_s"] / r["steps"] for r in fixed])
+    per_forward, per_round = np.polyfit(fw, side, 1)
+    return float(per_round), float(per_forward)
+
+
+def predict_from_counts(row: dict, pts: list[tuple[float, float, str]], fit: tuple[float, float]) -> float:
+    """Seconds of one run of the row from its counts alone: its steps, draft forwards and lengths sent to
+    verification, each priced on the fixed rows (the draft side by `draft_fit`, the rest by the table)."""
+    ms, rs = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    hist = {int(m): n for m, n in _lengths(row).items()}
+    rest = sum(n * float(np.interp(m, ms, rs)) for m, n in hist.items())
+    return fit[0] * row["steps"] + fit[1] * _forwards(row) + rest
+
+
 def batch1_costs(rows: list[dict]) -> dict | None:
     """A cost file (`adaptive_spec.costs`, `tune --costs`) at one request from one batch-1 cell: each draft
     forward costs the slope b of the fixed rows' draft side over their forwards per step; a pass over
     1 + m tokens costs a fixed row's step time less its forwards at b (the draft side's per-round part
     stays in it), a pass over 1 token a step of no speculation. None without two fixed rows."""
-    fixed = [r for r in rows if _is_fixed(r) and r.get("policy_timing") and r.get("steps") and _forwards(r)]
+    fit = draft_fit(rows)
     nospec = next((r for r in rows if r["kind"] == "nospec"), None)
-    if len({round(_forwards(r) / r["steps"], 1) for r in fixed}) < 2 or nospec is None:
+    if fit is None or nospec is None:
         return None  # a slope needs two draft lengths
-    fw = np.array([_forwards(r) / r["steps"] for r in fixed])
-    side = np.array([r["policy_timing"]["propose_s"] / r["steps"] for r in fixed])
-    b = float(np.polyfit(fw, side, 1)[0])
+    fixed, b = _timed_fixed(rows), fit[1]
     verify = [[1.0, 1e3 * statistics.median(nospec["seconds"]) / nospec["steps"]]]
     for r in sorted(fixed, key=_mean_kept):
         ms = 1e3 * (statistics.median(r["seconds"]) - b * _forwards(r)) / r["steps"]
@@ -157,19 +188,34 @@ def step_table_section(table: dict[str, Any]) -> list[str]:
             f"As a cost file (`tune --costs`, `adaptive_spec.costs`): step_costs_{key.split('/')[1]}.json, "
             "each draft forward at the slope of the fixed rows' draft side over their forwards.",
             "",
-            "| config | drafts kept per step | measured s/run | by the table | error | by the affine line | error |",
-            "|---|---|---|---|---|---|---|",
+            COUNTS_EXPLAINED,
+            "",
+            "| config | drafts kept per step | measured s/run | by the table | error | by the affine line | error "
+            "| from counts | error | x no speculation: measured / from counts |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
+        fit = draft_fit(here)
         for r in here:
             if r["kind"] != "plugin" or not r.get("draft_len_hist") or not r.get("policy_timing"):
                 continue
             meas = statistics.median(r["seconds"])
             tab, lin = predict(r, pts)
-            lines.append(
-                f"| {r['config']} | {_mean_kept(r):.2f} | {meas:.3f} | {tab:.3f} | {(tab - meas) / meas:+.1%} | "
-                f"{lin:.3f} | {(lin - meas) / meas:+.1%} |"
-            )
+            line = f"| {r['config']} | {_mean_kept(r):.2f} | {meas:.3f} | {tab:.3f} | {(tab - meas) / meas:+.1%} | "
+            line += f"{lin:.3f} | {(lin - meas) / meas:+.1%} |"
+            if fit is None or nospec is None or not r.get("steps"):
+                lines.append(line + " - | - | - |")
+                continue
+            est, t_ns = predict_from_counts(r, pts, fit), statistics.median(nospec["seconds"])
+            lines.append(line + f" {est:.3f} | {(est - meas) / meas:+.1%} | {t_ns / meas:.3f} / {t_ns / est:.3f} |")
     return lines
+
+
+COUNTS_EXPLAINED = (
+    "'From counts' prices a row from its counts alone, on this cell's fixed rows: its steps and draft "
+    "forwards at the line the fixed rows' draft side per step makes over their forwards per step, and the "
+    "tokens each round sent to verification by the table; then the speed over no speculation, measured "
+    "(medians of runs, not paired per repeat) and so modeled."
+)
 
 
 SPLIT_EXPLAINED = (

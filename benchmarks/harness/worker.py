@@ -95,7 +95,7 @@ def plugin_totals(llm) -> dict[str, Any]:
     """The plugin's own records, summed over workers: exact counts, draft-length histogram,
     draft forwards per engine step and the policy's in-engine timing."""
     out: dict[str, Any] = {"n_gen": 0, "n_target": 0, "n_draft": 0, "n_accepted": 0, "n_drawn": 0, "n_tail": 0}
-    out |= {"hist": {}, "forwards": {}, "tail_cut": 0, "none_rounds": 0}
+    out |= {"hist": {}, "proposed": {}, "forwards": {}, "tail_cut": 0, "none_rounds": 0}
     timing = {"policy_s": 0.0, "propose_s": 0.0, "decides": 0, "rounds": 0}
     timing |= {"steady_rounds": 0, "steady_gap_s": 0.0, "steady_target_s": 0.0, "gc_s": 0.0, "gc_runs": 0}
     parallel = dict.fromkeys(
@@ -106,8 +106,12 @@ def plugin_totals(llm) -> dict[str, Any]:
             out[key] += snap["workload"][key]
         out["tail_cut"] += snap["tail_cut"]
         out["none_rounds"] += snap.get("gate_none_rounds", 0)  # batch gate: rounds that verified no draft
-        for name, src in (("hist", "drafted_len_hist"), ("forwards", "forwards_per_step")):
-            for k, n in snap[src].items():
+        for name, src in (
+            ("hist", "drafted_len_hist"),
+            ("proposed", "proposed_len_hist"),
+            ("forwards", "forwards_per_step"),
+        ):
+            for k, n in snap.get(src, {}).items():
                 out[name][int(k)] = out[name].get(int(k), 0) + n
         for key in timing:
             timing[key] += snap.get("timing", {}).get(key, 0)
@@ -211,6 +215,8 @@ class CellRun:
             row["n_tail_cut"] = own["tail_cut"]  # tail tokens the tail gate cut
             row["gate_none_rounds"] = own["none_rounds"]  # rounds the batch gate verified no draft in
             row["draft_len_hist"] = dict(sorted(own["hist"].items()))
+            if own["proposed"]:  # context_tail: what each round sent to verification, tail included
+                row["proposed_len_hist"] = dict(sorted(own["proposed"].items()))
             row["draft_forwards_per_step"] = dict(sorted(own["forwards"].items()))
             row["policy_timing"] = own["timing"]  # per pass, this cell's batch size
             if own["parallel"]["steps"]:

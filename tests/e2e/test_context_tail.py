@@ -34,6 +34,12 @@ def test_a_context_tail_is_lossless_and_accepted(method, policy, lossless_prompt
     assert snap["tail_tokens"] > 100, snap["tail_tokens"]
     assert work["n_draft"] > snap["tail_tokens"] and work["n_accepted"] > 0, work
     assert max(int(k) for k in snap["drafted_len_hist"]) <= K
+    # what each round sent to verification: its drafts and its tail, every round counted once
+    sent, drafted = snap["proposed_len_hist"], snap["drafted_len_hist"]
+    assert sum(sent.values()) == sum(drafted.values()), (sent, drafted)
+    total = sum(int(k) * n for k, n in sent.items())
+    assert total == sum(int(k) * n for k, n in drafted.items()) + snap["tail_tokens"], (sent, drafted)
+    assert max(int(k) for k in sent) <= K  # the tail stays under the cap
 
 
 def test_the_tail_gate_cuts_tails_that_cost_more_than_they_add(tmp_path, lossless_prompts, lossless_reference):

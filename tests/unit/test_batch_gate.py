@@ -192,6 +192,18 @@ def test_one_step_verdict_holds_for_the_next_rounds_of_at_least_as_many_rows():
     assert not gate.one_step_round(n - 1) and not gate.one_step_round(n)
 
 
+def test_a_hold_covers_the_next_rounds_of_at_least_as_many_rows():
+    """The bookkeeping both verdicts share (one step without the gate, no draft at all)."""
+    from vllm_adaptive_spec.policies.batch_gate import HOLD_ROUNDS, Hold
+
+    hold = Hold()
+    assert not hold.covers(8)  # no verdict yet
+    hold.start(8)
+    assert [hold.covers(9) for _ in range(HOLD_ROUNDS)] == [True] * (HOLD_ROUNDS - 1) + [False]
+    hold.start(8)
+    assert not hold.covers(7) and not hold.covers(8)  # a smaller round ends it
+
+
 def test_no_hold_when_the_step_pays_or_no_row_was_drafting():
     n = 16
     gate = _gate(n)

@@ -532,6 +532,11 @@ def test_step_table_prices_each_length_a_row_verified(tmp_path):
     assert abs(by_line - by_table) > 0.01  # the line through a bent curve misprices the mix
     text = "\n".join(step_table.step_table_section({"rows": rows}))
     assert "| mixed | 2.50 | 1.550 | 1.550 | +0.0% |" in text
+    # a context tail row drafted 1 token a round and its context added 3 after it in half the rounds: its
+    # passes verified 1 and 4 tokens, so it is priced by what each round sent (regression: priced by the
+    # drafter's lengths alone, every pass at R(1))
+    tail = row("tail", "copy tail", {1: 100}, 1.3 + 0.25, 0.25) | {"proposed_len_hist": {"1": 50, "4": 50}}
+    assert step_table.predict(tail, pts)[0] == pytest.approx(0.25 + 50 * 0.010 + 50 * 0.016)
     assert step_table.step_split_section({"rows": rows}) == []  # no steady rounds on the clock: no split
     rows[3]["policy_timing"] |= {"steady_rounds": 90, "steady_gap_s": 0.9, "steady_target_s": 0.72, "gc_s": 0.01}
     split = "\n".join(step_table.step_split_section({"rows": rows}))
@@ -546,6 +551,14 @@ def test_step_table_prices_each_length_a_row_verified(tmp_path):
     costs = step_table.batch1_costs([*rows, nospec])
     assert costs["draft_step_ms"] == [[1, pytest.approx(1.0)]]
     assert costs["verify_ms"] == [[1.0, pytest.approx(8.0)], [2, pytest.approx(10.0)], [5, 16.0], [9, 16.0]]
+    # from counts alone: the fixed rows' draft side is 1 ms a forward and nothing a round, so the tail row
+    # (100 steps, one forward each, passes over 1 and 4 tokens) costs 0.1 s of drafts plus its table price
+    assert step_table.draft_fit(rows) == (pytest.approx(0.0, abs=1e-9), pytest.approx(0.001))
+    tail["draft_forwards_per_step"] = {"1": 100}
+    est = step_table.predict_from_counts(tail, pts, step_table.draft_fit(rows))
+    assert est == pytest.approx(0.1 + 50 * 0.010 + 50 * 0.016)
+    text = "\n".join(step_table.step_table_section({"rows": [*rows, tail, nospec]}))
+    assert "| tail | 2.50 | 1.550 | 1.550 | +0.0% |" in text and "| 1.400 | -9.7% | 1.032 / 1.143 |" in text
     from vllm_adaptive_spec.policies.costs import load_costs
 
     path = tmp_path / "step_costs.json"

@@ -497,6 +497,7 @@ class AdaptiveDraftLoop:
                 self._before_tail[req_id] = len(row)
                 self.stats.record_tail(req_id, len(extra))
             out.append(row + extra)
+        self.stats.record_proposed([len(row) for row in out])
         if self._last_draft_probs is not None and self._before_tail:  # drafts drawn from distributions
             starts = [self._before_tail.get(r, len(row)) for r, row in zip(req_ids, out)]
             self._last_draft_probs = with_tail_probs(self._last_draft_probs, out, starts)  # [B, T', V]

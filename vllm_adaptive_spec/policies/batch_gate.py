@@ -82,6 +82,25 @@ def draft_top(logp: torch.Tensor, tokens: torch.Tensor, greedy: bool) -> torch.T
     return logp.amax(dim=-1)
 
 
+class Hold:
+    """A verdict taken before a round of n rows that also covers the next HOLD_ROUNDS - 1 rounds of at
+    least n rows; a smaller round ends it (the verdict was priced at n rows)."""
+
+    def __init__(self):
+        self.left, self.rows = 0, 0  # rounds still covered, and the batch size they are covered for
+
+    def start(self, n: int) -> None:
+        self.left, self.rows = HOLD_ROUNDS - 1, n
+
+    def covers(self, n: int) -> bool:
+        """Before a round of n rows: True when the verdict covers it (one covered round used up)."""
+        if self.left > 0 and n >= self.rows:
+            self.left -= 1
+            return True
+        self.left = 0
+        return False
+
+
 class BatchGate:
     def __init__(self, costs: dict, refit_interval: int = REFIT_ROUNDS, online: bool = False):
         """costs: the cost curves (`costs.py`); online: they are only the prior, and the loop's own
@@ -102,10 +121,10 @@ class BatchGate:
         self._computed = 0  # rows the last draft step computed
         self._draft_spent = 0.0  # the round's draft steps so far (ms)
         self._verify: list[float] = []  # pass cost per token count, 0..n (cap + 1)
-        self._hold, self._hold_rows = 0, 0  # one-step rounds left, and the batch size they hold for
+        self._hold = Hold()  # the rule ended a recent round after one step: draft one step, no gate
         self.held_rounds = 0  # rounds drafted as one step without the gate (statistics)
         self._first = [1.0, 2.0]  # first drafts accepted, first drafts verified (a Beta(1, 1) prior)
-        self._none, self._none_rows = 0, 0  # no-draft rounds left, and the batch size they hold for
+        self._none = Hold()  # a recent round verified no draft on the gate's verdict
         self._probe = False  # the round after a no-draft hold drafts, to keep measuring what drafting gives
         self.none_rounds = 0  # rounds that verified no draft on the gate's verdict (statistics)
 
@@ -120,12 +139,10 @@ class BatchGate:
 
         A verdict holds for HOLD_ROUNDS rounds of at least as many rows; the round after them drafts as
         usual, so the rate and (with `online` costs) the cost of a pass with drafts keep being measured."""
-        if self._none > 0 and n >= self._none_rows:
-            self._none -= 1
-            self._probe = self._none == 0
+        if self._none.covers(n):
+            self._probe = self._none.left == 0
             self.none_rounds += 1
             return True
-        self._none = 0
         if self._probe or drafting == 0:
             self._probe = False
             return False
@@ -134,18 +151,16 @@ class BatchGate:
         draft = self.costs.draft(n)
         if n * (draft + verify[n + drafting]) < (n + drafting * a) * (draft + verify[n]):
             return False
-        self._none, self._none_rows = HOLD_ROUNDS - 1, n
+        self._none.start(n)
         self.none_rounds += 1
         return True
 
     def one_step_round(self, n: int) -> bool:
         """Before a round of n rows: True when it drafts one step and skips the gate (a recent round
         of at most n rows ended after one step on the rule); False when the gate runs as usual."""
-        if self._hold > 0 and n >= self._hold_rows:
-            self._hold -= 1
+        if self._hold.covers(n):
             self.held_rounds += 1
             return True
-        self._hold = 0
         return False
 
     def start_round(self, req_ids: list[str], cap: int, compact: bool = False) -> None:
@@ -191,7 +206,7 @@ class BatchGate:
         if pays:
             self._computed = computed
         if t == 0 and not pays and any(drafting) and len(top) >= HOLD_MIN_ROWS:
-            self._hold, self._hold_rows = HOLD_ROUNDS - 1, len(top)
+            self._hold.start(len(top))
         return pays
 
     def finish_round(self) -> None:
