@@ -69,17 +69,22 @@ def table_points(rows: list[dict]) -> list[tuple[float, float, str]]:
     return sorted(p for p in pts if np.isfinite(p[0]))
 
 
-def predict(row: dict, pts: list[tuple[float, float, str]]) -> tuple[float, float]:
-    """(by the table, by the affine fit) seconds of one run of the row."""
+def _rest(row: dict, pts: list[tuple[float, float, str]]) -> tuple[float, float]:
+    """(by the table, by the affine fit) seconds of one run of the row outside its draft side: each
+    round's tokens sent to verification priced by R."""
     ms = np.array([p[0] for p in pts])
     rs = np.array([p[1] for p in pts])
     slope, icept = np.polyfit(ms, rs, 1)
     hist = {int(m): n for m, n in _lengths(row).items()}
     lengths, counts = np.array(list(hist), dtype=float), np.array(list(hist.values()), dtype=float)
+    return float(counts @ np.interp(lengths, ms, rs)), float(counts @ (icept + slope * lengths))
+
+
+def predict(row: dict, pts: list[tuple[float, float, str]]) -> tuple[float, float]:
+    """(by the table, by the affine fit) seconds of one run of the row, with its own measured draft side."""
     draft = row["policy_timing"]["propose_s"]
-    by_table = draft + float(counts @ np.interp(lengths, ms, rs))
-    by_line = draft + float(counts @ (icept + slope * lengths))
-    return by_table, by_line
+    by_table, by_line = _rest(row, pts)
+    return draft + by_table, draft + by_line
 
 
 def _forwards(row: dict) -> float:
@@ -106,10 +111,7 @@ def draft_fit(rows: list[dict]) -> tuple[float, float] | None:
 def predict_from_counts(row: dict, pts: list[tuple[float, float, str]], fit: tuple[float, float]) -> float:
     """Seconds of one run of the row from its counts alone: its steps, draft forwards and lengths sent to
     verification, each priced on the fixed rows (the draft side by `draft_fit`, the rest by the table)."""
-    ms, rs = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
-    hist = {int(m): n for m, n in _lengths(row).items()}
-    rest = sum(n * float(np.interp(m, ms, rs)) for m, n in hist.items())
-    return fit[0] * row["steps"] + fit[1] * _forwards(row) + rest
+    return fit[0] * row["steps"] + fit[1] * _forwards(row) + _rest(row, pts)[0]
 
 
 def batch1_costs(rows: list[dict]) -> dict | None:
