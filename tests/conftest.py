@@ -137,6 +137,19 @@ def released_stats(llm, timeout_s: float = 30.0) -> list[dict]:
         time.sleep(0.1)
 
 
+def lossless_stats(speculative_config: dict, adaptive: dict, prompts: list[str], reference: list[list[int]]) -> dict:
+    """An engine of its own: greedy output over `prompts` (at MIXED_MAX_TOKENS) must equal `reference`;
+    returns its worker's released statistics."""
+    llm = make_llm(speculative_config=speculative_config, additional_config={"adaptive_spec": adaptive})
+    try:
+        got = greedy(llm, prompts, MIXED_MAX_TOKENS[: len(prompts)])
+        assert got == reference, first_mismatch(got, reference)
+        (snap,) = released_stats(llm)
+    finally:
+        close_llm(llm)
+    return snap
+
+
 # Request settings that change what the target emits (penalties, banned and allowed tokens, a
 # minimum length, stop strings, log-probabilities, structured outputs): drafts are verified against the
 # distribution they give, so greedy output with speculation must still equal the target's alone under

@@ -406,6 +406,12 @@ def main() -> None:
         help="a cost-curve file (benchmarks.step_costs) every plugin configuration reads (adaptive_spec.costs): "
         "the batch gate and vllm_av decide on the regime's own costs",
     )
+    ap.add_argument(
+        "--train-prompts",
+        action="store_true",
+        help="run the cells on the training prompts (code_train, prose_train) instead of the held-out ones: "
+        "to choose among configurations without looking at the prompts a report shows",
+    )
     args = ap.parse_args()
     if args.drafter != "draft_model" and args.draft_mlp_factor > 1:
         ap.error("--draft-mlp-factor scales the draft model; with --drafter eagle3 scale the target only")
@@ -431,6 +437,8 @@ def main() -> None:
     ]
     if args.repeats:
         plan.cells[:] = [replace(c, repeats=args.repeats) if c.timed else c for c in plan.cells]
+    if args.train_prompts:
+        plan.cells[:] = [replace(c, workload=c.workload.replace("_heldout", "_train")) for c in plan.cells]
     scaled = use_scaled_models(args, plan)
     drafter = use_drafter(args, plan)
     if args.costs:

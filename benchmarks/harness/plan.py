@@ -23,6 +23,7 @@ WORKLOADS = ("code_heldout", "prose_heldout")
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
 TAILS = (4, 8, 15)  # the regime's context-tail rows (within the cap 16)
+TAIL_FLOORS = ((4, 2), (4, 3), (2, 2))  # (context_tail, min_drafts) of the regime's head rows with both
 NGRAM_KS = (4, 8, 16)  # vLLM's prompt lookup (method "ngram", n-grams of 2-4 tokens: benchmarks.vllm_run)
 VERIFY_CURVE_KS = (1, 2, 3, 4, 6, 8, 12)  # the regime's "plugin fixed K=k under cap 16" rows
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
@@ -209,6 +210,17 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                         alone, name=f"{alone.name}, context tail {m}", adaptive=alone.adaptive | {"context_tail": m}
                     )
                     for m in TAILS
+                ]
+                # ... and a tail above a floor of drafts: on this CPU a pass over 2 tokens cost more than one
+                # over 3-5 (the step table, README "The step table"), and a third of the tail row's rounds
+                # sent 2 (one draft, no tail); a tail of 2 over a floor of 2 keeps passes on that flat stretch
+                configs += [
+                    replace(
+                        alone,
+                        name=f"{alone.name}, context tail {m}, min {n} drafts",
+                        adaptive=alone.adaptive | {"context_tail": m, "min_drafts": n},
+                    )
+                    for m, n in TAIL_FLOORS
                 ]
                 # ... and the gated rule with a short tail: the batched plan's row (the gate ends rounds
                 # for the whole batch; a tail adds no draft forward), with the tail gate (adaptive_spec.tail_gate,

@@ -9,7 +9,16 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.vllm_run import spec_config
-from tests.conftest import MIXED_MAX_TOKENS, K, close_llm, first_mismatch, greedy, make_llm, released_stats
+from tests.conftest import (
+    MIXED_MAX_TOKENS,
+    K,
+    close_llm,
+    first_mismatch,
+    greedy,
+    lossless_stats,
+    make_llm,
+    released_stats,
+)
 
 pytestmark = pytest.mark.e2e
 TAIL = 3
@@ -54,13 +63,7 @@ def test_the_tail_gate_cuts_tails_that_cost_more_than_they_add(tmp_path, lossles
     tails = {}
     for gated in (True, False):
         cfg = {"policy": "confidence", "context_tail": TAIL, "costs": str(steep), "tail_gate": gated}
-        llm = make_llm(speculative_config=spec_config(K, "draft_model"), additional_config={"adaptive_spec": cfg})
-        try:
-            got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
-            assert got == lossless_reference, first_mismatch(got, lossless_reference)
-            (snap,) = released_stats(llm)
-        finally:
-            close_llm(llm)
+        snap = lossless_stats(spec_config(K, "draft_model"), cfg, lossless_prompts, lossless_reference)
         tails[gated] = snap["tail_tokens"], snap["tail_cut"]
     # gated: everything offered was cut (and counted as cut); ungated: appended, nothing counted as cut
     assert tails[True][0] == 0 and tails[True][1] > 50 and tails[False][0] > 50 and tails[False][1] == 0, tails

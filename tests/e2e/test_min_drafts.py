@@ -1,7 +1,7 @@
 """adaptive_spec.min_drafts through real vLLM: a rule that would stop every row after its first draft
 (confidence at threshold 1.0: no draft is that sure) drafts at least the floor, the batch gate on, and
-stays lossless; a floor above the cap K fails at start-up naming the field (and so does a context tail,
-adaptive_spec.context_tail: test_context_tail.py)."""
+stays lossless, alone and under a context tail; a floor above the cap K fails at start-up naming the
+field (and so does a context tail, adaptive_spec.context_tail: test_context_tail.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 
 from tests.conftest import (
     MIXED_MAX_TOKENS,
+    K,
     close_llm,
     first_mismatch,
     greedy,
+    lossless_stats,
     make_llm,
     released_stats,
     spec_config,
@@ -36,6 +38,20 @@ def test_a_floor_of_drafts_is_lossless_and_drafted(lossless_prompts, lossless_re
     # shorter drafts only where max_tokens left no room for the floor (requests of 1 or 3 tokens, ends)
     assert hist.get(FLOOR, 0) > 3 * sum(n for k, n in hist.items() if k < FLOOR), hist
     assert max(hist) == FLOOR, hist  # ... and the rule stopped every row there
+
+
+def test_a_floor_under_a_context_tail_is_lossless(lossless_prompts, lossless_reference):
+    """The floor and the tail together on the EAGLE-3 head (the regime rows "..., context tail 4, min n
+    drafts"): every round with room drafts the floor, the tail follows it, nothing above the cap."""
+    from benchmarks.vllm_run import spec_config as drafter_config
+
+    floor, tail = 2, 2
+    cfg = {"policy": "confidence", "threshold": 1.0, "min_drafts": floor, "context_tail": tail}
+    snap = lossless_stats(drafter_config(K, "eagle3"), cfg, lossless_prompts, lossless_reference)
+    drafted = {int(k): n for k, n in snap["drafted_len_hist"].items()}
+    sent = {int(k): n for k, n in snap["proposed_len_hist"].items()}
+    assert max(drafted) == floor and drafted[floor] > 3 * sum(n for k, n in drafted.items() if k < floor), drafted
+    assert snap["tail_tokens"] > 20 and max(sent) <= floor + tail, (snap["tail_tokens"], sent)
 
 
 @pytest.mark.parametrize("field", ["min_drafts", "context_tail"])

@@ -257,12 +257,19 @@ def test_eagle3_rows_and_their_regime_variant():
     gated_tails |= {f"{n}, {v}" for n in gated_tails for v in ("no tail gate", "online costs")}
     expected = {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped | floors | tails
     expected |= gated_tails
+    pairs = ((4, 2), (4, 3), (2, 2))  # ... and with both: (context_tail, min_drafts)
+    tail_floors = {f"{c.name}, context tail {m}, min {n} drafts": (m, n) for c in tuned for m, n in pairs}
+    expected |= set(tail_floors)
     assert {c.name for c in regime} == expected
     by_name = {c.name: c for c in regime}
     assert all(by_name[n].adaptive["min_drafts"] == int(n[-8]) for n in floors)
     assert all(by_name[n].adaptive["context_tail"] == int(n.split()[-1]) and by_name[n].k == 16 for n in tails)
     assert all(c.adaptive.get("batch_aware", True) for c in regime if c.name in gated | gated_tails)
     assert all(by_name[n].adaptive["context_tail"] == 4 for n in gated_tails)
+    assert all(
+        (by_name[n].adaptive["context_tail"], by_name[n].adaptive["min_drafts"]) == pair
+        for n, pair in tail_floors.items()
+    )
     assert all(by_name[n].adaptive["tail_gate"] == ("no tail gate" not in n) for n in gated_tails)
     assert all((by_name[n].adaptive.get("costs") == "online") == ("online" in n) for n in gated_tails)
     assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
