@@ -213,7 +213,7 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                 ]
                 # ... and a tail above a floor of drafts: on this CPU a pass over 2 tokens cost more than one
                 # over 3-5 (the step table, README "The step table"), and a third of the tail row's rounds
-                # sent 2 (one draft, no tail); a tail of 2 over a floor of 2 keeps passes on that flat stretch
+                # sent one draft and no tail; a tail of 2 over a floor of 2 keeps passes on that flat stretch
                 configs += [
                     replace(
                         alone,
