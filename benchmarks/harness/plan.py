@@ -24,6 +24,7 @@ FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
 TAILS = (4, 8, 15)  # the regime's context-tail rows (within the cap 16)
 TAIL_FLOORS = ((4, 2), (4, 3), (2, 2))  # (context_tail, min_drafts) of the regime's head rows with both
+CAPPED_TAILS = ((4, 0, 4), (4, 2, 4), (4, 3, 4), (4, 2, 5))  # (context_tail, min_drafts, cap K) under a low cap
 NGRAM_KS = (4, 8, 16)  # vLLM's prompt lookup (method "ngram", n-grams of 2-4 tokens: benchmarks.vllm_run)
 VERIFY_CURVE_KS = (1, 2, 3, 4, 6, 8, 12)  # the regime's "plugin fixed K=k under cap 16" rows
 # vLLM's Dynamic SD: (first batch size, last batch size, K); K shrinks as the batch grows.
@@ -221,6 +222,19 @@ def eagle3_head_configs(regime: bool = False) -> list[Config]:
                         adaptive=alone.adaptive | {"context_tail": m, "min_drafts": n},
                     )
                     for m, n in TAIL_FLOORS
+                ]
+                # ... and the same under the best fixed K's cap (K=4 here): on this CPU a pass costs about the
+                # same over 2-5 tokens and more from 6 (the step table: 1.03 t_T at 3.7 drafts, 1.19 at 5.5);
+                # under the cap every pass stays on that flat stretch, the tail filling what the rule leaves.
+                # Measured on training prompts (tail_cap_train_epyc12/): no better than cap 16, worse at 4
+                configs += [
+                    replace(
+                        alone,
+                        name=f"{alone.name}, context tail {m}" + (f", min {n} drafts" if n else "") + f", cap {k}",
+                        k=k,
+                        adaptive=alone.adaptive | {"context_tail": m} | ({"min_drafts": n} if n else {}),
+                    )
+                    for m, n, k in CAPPED_TAILS
                 ]
                 # ... and the gated rule with a short tail: the batched plan's row (the gate ends rounds
                 # for the whole batch; a tail adds no draft forward), with the tail gate (adaptive_spec.tail_gate,
@@ -441,6 +455,12 @@ def batch_plan(steady: bool = False) -> Plan:
     no_cut = {"policy": "copy", "context_tail": 4, "tail_gate": False}  # the plugin's default
     configs.append(_plugin("copy 0.7, context tail 4, no tail gate", "copy tail no gate", no_cut, 4, True))
     configs.append(_plugin("copy 0.7, context tail 4, online costs", "copy tail online", cut | online, 4, True))
+    # ... the default on measured costs (regime (b), batch 32: the same decisions as on the bundled curves)
+    configs.append(
+        _plugin(
+            "copy 0.7, context tail 4, no tail gate, online costs", "copy tail no gate online", no_cut | online, 4, True
+        )
+    )
     cells = [c for c in full.cells if c.temperature == 0.0 and c.timed and c.batch > 1]
     notes = ["batched: greedy, batch 4/16/32, timed cells only; counts are the cells' own"]
     if steady:  # a busy endpoint: about 8 requests per slot, so most steps run a full batch

@@ -260,6 +260,12 @@ def test_eagle3_rows_and_their_regime_variant():
     pairs = ((4, 2), (4, 3), (2, 2))  # ... and with both: (context_tail, min_drafts)
     tail_floors = {f"{c.name}, context tail {m}, min {n} drafts": (m, n) for c in tuned for m, n in pairs}
     expected |= set(tail_floors)
+    capped_tails = {  # ... and under a low cap: (context_tail, min_drafts, cap K)
+        f"{c.name}, context tail {m}" + (f", min {n} drafts" if n else "") + f", cap {k}": (m, n, k)
+        for c in tuned
+        for m, n, k in ((4, 0, 4), (4, 2, 4), (4, 3, 4), (4, 2, 5))
+    }
+    expected |= set(capped_tails)
     assert {c.name for c in regime} == expected
     by_name = {c.name: c for c in regime}
     assert all(by_name[n].adaptive["min_drafts"] == int(n[-8]) for n in floors)
@@ -273,6 +279,10 @@ def test_eagle3_rows_and_their_regime_variant():
     assert all(by_name[n].adaptive["tail_gate"] == ("no tail gate" not in n) for n in gated_tails)
     assert all((by_name[n].adaptive.get("costs") == "online") == ("online" in n) for n in gated_tails)
     assert all(c.k == 8 and c.adaptive.get("batch_aware") is False for c in regime if c.name in capped)
+    assert all(
+        (by_name[x].adaptive["context_tail"], by_name[x].adaptive.get("min_drafts", 0), by_name[x].k) == mnk
+        for x, mnk in capped_tails.items()
+    )
     assert {"svip (no batch gate)", "confidence (no batch gate)"} <= {c.name for c in regime_plan().configs}
     ahead = {c.name: c for c in regime_plan().configs}["svip h=0.3, prepared ahead"]
     assert ahead.timed and ahead.adaptive == {"policy": "svip", "prepare_ahead": True}
@@ -298,13 +308,14 @@ def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
     # the plugin's own loop at vLLM K=1's and K=2's settings, gate off
     loop = [c for c in plan.configs if c.family == "plugin fixed"]
     assert [(c.k, c.adaptive) for c in loop] == [(1, {"policy": "fixed"}), (2, {"policy": "fixed"})]
-    # copy with the context tail: both gates on the bundled curves, the tail gate off, both on measured costs
+    # copy with the context tail: both gates on the bundled curves, the tail gate off, each on measured costs
     tails = {c.name: c.adaptive for c in plan.configs if "context tail" in c.name}
     tail = {"policy": "copy", "context_tail": 4}
     assert tails == {
         "copy 0.7, context tail 4": tail | {"tail_gate": True},
         "copy 0.7, context tail 4, no tail gate": tail | {"tail_gate": False},
         "copy 0.7, context tail 4, online costs": tail | {"tail_gate": True, "costs": "online"},
+        "copy 0.7, context tail 4, no tail gate, online costs": tail | {"tail_gate": False, "costs": "online"},
     }
     use_drafter(argparse.Namespace(drafter="eagle3", regime=False, batched=True), plan)
     names = {c.name for c in plan.configs}
