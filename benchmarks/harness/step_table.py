@@ -114,6 +114,25 @@ def predict_from_counts(row: dict, pts: list[tuple[float, float, str]], fit: tup
     return fit[0] * row["steps"] + fit[1] * _forwards(row) + _rest(row, pts)[0]
 
 
+def _priced(row: dict) -> bool:
+    """Whether a row of a step-table cell is priced on the table (a plugin row with its own clock)."""
+    return row["kind"] == "plugin" and bool(row.get("draft_len_hist")) and bool(row.get("policy_timing"))
+
+
+def counts_speed_errors(rows: list[dict]) -> dict[str, float]:
+    """Per priced plugin row of one batch-1 cell: its speed over no speculation priced from its counts alone
+    on the cell's step table, over the measured one, less 1 (medians of runs); {} where the cell has no table
+    (fewer than two fixed lengths, no draft fit, or no no-speculation row)."""
+    pts, fit = table_points(rows), draft_fit(rows)
+    if len({round(m, 1) for m, _, _ in pts}) < 2 or fit is None or not any(r["kind"] == "nospec" for r in rows):
+        return {}
+    return {
+        r["config"]: statistics.median(r["seconds"]) / predict_from_counts(r, pts, fit) - 1.0
+        for r in rows
+        if _priced(r) and r.get("steps")
+    }
+
+
 def batch1_costs(rows: list[dict]) -> dict | None:
     """A cost file (`adaptive_spec.costs`, `tune --costs`) at one request from one batch-1 cell: each draft
     forward costs the slope b of the fixed rows' draft side over their forwards per step; a pass over
@@ -198,7 +217,7 @@ def step_table_section(table: dict[str, Any]) -> list[str]:
         ]
         fit = draft_fit(here)
         for r in here:
-            if r["kind"] != "plugin" or not r.get("draft_len_hist") or not r.get("policy_timing"):
+            if not _priced(r):
                 continue
             meas = statistics.median(r["seconds"])
             tab, lin = predict(r, pts)

@@ -584,6 +584,43 @@ def test_step_table_prices_each_length_a_row_verified(tmp_path):
     assert load_costs(str(path)) == costs
 
 
+def test_the_report_says_what_s_misses_where_it_is_off_by_more_than_ten_percent():
+    """Issue 19: where S at the measured c is off the wall clock by more than 10% at batch 1, the report
+    prices the row from its counts on the cell's step table, or says that no table in the run can."""
+    from benchmarks.harness import report
+
+    cell = {"key": "timed/code_heldout/b1/t0", "timed": True, "batch": 1}
+
+    def row(name, family, hist, seconds, propose, forwards, kind="plugin", s=None, wall=None):
+        steps = sum(hist.values())
+        return {
+            "config": name, "family": family, "kind": kind, "cell": cell, "seconds": [seconds], "steps": steps,
+            "draft_len_hist": {str(m): n for m, n in hist.items()}, "policy_timing": {"propose_s": propose},
+            "draft_forwards_per_step": {str(forwards): steps}, "S_measured_c": s, "speedup_vs_no_spec": wall,
+        }  # fmt: skip
+
+    fixed = [  # R(1) = 10 ms, R(4) = R(8) = 16 ms; 1 ms a draft forward, nothing a round
+        row("fixed 1", "plugin fixed", {1: 100}, 1.1, 0.1, 1, s=1.2, wall=1.15),
+        row("fixed 4", "plugin fixed", {4: 100}, 2.0, 0.4, 4, s=1.0, wall=0.98),
+        row("fixed 8", "plugin fixed", {8: 100}, 2.4, 0.8, 8, s=0.9, wall=0.88),
+    ]
+    nospec = row("no speculation", "no speculation", {0: 200}, 1.6, 0.0, 0, kind="nospec")
+    # 100 rounds of one forward, passes over 1 and 4 tokens: 0.1 + 50 * 0.010 + 50 * 0.016 = 1.4 s from counts,
+    # so 5% faster than its measured 1.47 s
+    tail = row("tail", "copy tail", {1: 100}, 1.47, 0.25, 1, s=1.30, wall=1.10) | {
+        "proposed_len_hist": {"1": 50, "4": 50}
+    }
+    vllm = row("vLLM K=4", "fixed K", {}, 1.0, 0.0, 0, kind="vllm", s=1.20, wall=1.00)
+    here = [*fixed, tail, vllm]
+    text = " ".join(report.model_misses(here, [*here, nospec]))
+    assert "S is off by more than 10% on tail (+18.2%), vLLM K=4 (+20.0%)." in text
+    assert "step table (each pass at the tokens it verified): tail +5.0%. What S misses" in text
+    assert "No step table in this run prices vLLM K=4:" in text
+    # without the fixed rows no table prices anything; within 10% nothing is said
+    assert "No step table in this run prices them:" in " ".join(report.model_misses([tail], [tail, nospec]))
+    assert report.model_misses(fixed, [*fixed, nospec]) == []
+
+
 def test_a_block_drafters_cost_file_charges_one_forward_per_round(tmp_path):
     """DFlash drafts a round in one forward: the draft side per round is the plugin rows' loop time less
     their policy's (median), and a pass over 1 + m tokens a fixed row's step less that draft side, m the
