@@ -538,12 +538,19 @@ def model_misses(here: list[dict], cell_rows: list[dict]) -> list[str]:
             else "Still off on the table where it exceeds the tolerance: time outside the passes' verify cost "
             "(see 'Where a step goes')."
         )
-    left = [n for n, _ in off if n not in priced]
+    plugin = {r["config"] for r in here if r["kind"] == "plugin"}
+    left = [n for n, _ in off if n in plugin and n not in priced]
     if left:
-        which = "them" if len(left) == len(off) else ", ".join(left)
+        which = ("it" if len(left) == 1 else "them") if len(left) == len(off) else ", ".join(left)
         line += (
             f" No step table in this run prices {which}: run the plugin's fixed rows ('plugin fixed K=k under "
-            "cap 16') beside them to price each pass at the tokens it verified."
+            "cap 16') beside the adaptive rows to price each pass at the tokens it verified."
+        )
+    others = [n for n, _ in off if n not in plugin]
+    if others:
+        line += (
+            f" {', '.join(others)}: no loop clock, so no step table prices {'it' if len(others) == 1 else 'them'}; "
+            "'S (+ step cost)' is fitted on vLLM's fixed-K rows."
         )
     return ["", line]
 
