@@ -114,6 +114,11 @@ def predict_from_counts(row: dict, pts: list[tuple[float, float, str]], fit: tup
     return fit[0] * row["steps"] + fit[1] * _forwards(row) + _rest(row, pts)[0]
 
 
+def _has_table(pts: list[tuple[float, float, str]]) -> bool:
+    """Whether a cell's fixed rows give a table: two lengths at least."""
+    return len({round(m, 1) for m, _, _ in pts}) >= 2
+
+
 def _priced(row: dict) -> bool:
     """Whether a row of a step-table cell is priced on the table (a plugin row with its own clock)."""
     return row["kind"] == "plugin" and bool(row.get("draft_len_hist")) and bool(row.get("policy_timing"))
@@ -124,7 +129,7 @@ def counts_speed_errors(rows: list[dict]) -> dict[str, float]:
     on the cell's step table, over the measured one, less 1 (medians of runs); {} where the cell has no table
     (fewer than two fixed lengths, no draft fit, or no no-speculation row)."""
     pts, fit = table_points(rows), draft_fit(rows)
-    if len({round(m, 1) for m, _, _ in pts}) < 2 or fit is None or not any(r["kind"] == "nospec" for r in rows):
+    if not _has_table(pts) or fit is None or not any(r["kind"] == "nospec" for r in rows):
         return {}
     return {
         r["config"]: statistics.median(r["seconds"]) / predict_from_counts(r, pts, fit) - 1.0
@@ -190,7 +195,7 @@ def step_table_section(table: dict[str, Any]) -> list[str]:
     for key in keys:
         here = [r for r in rows if r["cell"]["key"] == key]
         pts = table_points(here)
-        if len({round(m, 1) for m, _, _ in pts}) < 2:
+        if not _has_table(pts):
             continue  # a table needs two lengths
         if not lines:
             lines = ["", "## Step table at batch 1: cost per verified length, and what it predicts", "", EXPLAINED]
