@@ -32,6 +32,7 @@ PLUGIN_FIELDS = (
     "min_drafts",
     "context_tail",
     "tail_gate",
+    "skip_first_pass",
 )
 ONLINE = "online"  # adaptive_spec.costs: the gate measures this machine's costs as it runs
 BASELINES = ("fixed", "vllm_av", "pearl")  # policies the batch gate is off for unless asked (vllm_av, pearl: never)
@@ -65,6 +66,10 @@ class AdaptiveSpecConfig:
     # the tail is cut to what pays for its verification where the batch gate runs, on its cost curves
     # (policies/tail.py: TailGate); default on with a tail and the gate
     tail_gate: bool = False
+    # a draft model skips its first pass in every other round the batch gate verifies nothing in (those
+    # rounds then verify no tail either); None: on wherever it applies (a draft model, the gate on, a
+    # policy that reads no first pass)
+    skip_first_pass: bool | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> AdaptiveSpecConfig:
@@ -116,6 +121,19 @@ class AdaptiveSpecConfig:
                 f"{CONFIG_KEY}.tail_gate: true needs context_tail above 0 and batch_aware true (it cuts the tail "
                 f"on the batch gate's cost curves; context_tail is {context_tail}, batch_aware {batch_aware})"
             )
+        skip_first_pass = raw.get("skip_first_pass")
+        if skip_first_pass is not None and not isinstance(skip_first_pass, bool):
+            raise ConfigError(f"{CONFIG_KEY}.skip_first_pass: expected true or false, got {skip_first_pass!r}")
+        if skip_first_pass and not batch_aware:
+            raise ConfigError(
+                f"{CONFIG_KEY}.skip_first_pass: true needs batch_aware true (it skips the first pass of rounds "
+                f"the batch gate verifies nothing in; batch_aware is false for policy {policy!r})"
+            )
+        if skip_first_pass and POLICY_CLASSES[policy].observes_context:
+            raise ConfigError(
+                f"{CONFIG_KEY}.skip_first_pass: true does not combine with policy {policy!r} (it reads every "
+                "round's first pass)"
+            )
         costs = raw.get("costs")
         if costs is not None:
             if not isinstance(costs, str) or not costs:
@@ -157,6 +175,7 @@ class AdaptiveSpecConfig:
             min_drafts=min_drafts,
             context_tail=context_tail,
             tail_gate=tail_gate,
+            skip_first_pass=skip_first_pass,
         )
 
     @property

@@ -454,6 +454,17 @@ def batch_plan(steady: bool = False) -> Plan:
     configs.append(_plugin("copy 0.7, context tail 4", "copy tail", cut, 4, True))
     no_cut = {"policy": "copy", "context_tail": 4, "tail_gate": False}  # the plugin's default
     configs.append(_plugin("copy 0.7, context tail 4, no tail gate", "copy tail no gate", no_cut, 4, True))
+    # ... as before 2026-12-07: a round the gate verifies no draft in still runs the draft's first pass
+    # and verifies the tails (adaptive_spec.skip_first_pass false)
+    configs.append(
+        _plugin(
+            "copy 0.7, context tail 4, no tail gate, first pass every round",
+            "copy tail no gate no skip",
+            no_cut | {"skip_first_pass": False},
+            4,
+            True,
+        )
+    )
     configs.append(_plugin("copy 0.7, context tail 4, online costs", "copy tail online", cut | online, 4, True))
     # ... the default on measured costs (regime (b), batch 32: the same decisions as on the bundled curves)
     configs.append(

@@ -159,19 +159,31 @@ def test_batch_of_64_is_lossless(ref_llm):
 def test_the_gate_verifies_no_draft_where_verification_is_compute_bound(tmp_path, lossless_prompts, lossless_reference):
     """On curves where a pass costs 10 ms a token (compute-bound), one draft a row adds less than it costs
     at any acceptance below 0.95 (policies/batch_gate.py: no_draft_round): the gate verifies no draft in
-    most rounds and drafts one round after each hold (its probe); greedy output stays the target's."""
+    most rounds and drafts one round after each hold (its probe); greedy output stays the target's, with
+    the draft model's first pass skipped in every other such round (skip_first_pass) and without."""
     steep = tmp_path / "steep.json"
     steep.write_text(json.dumps({"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}))
-    adaptive = {"policy": "confidence", "costs": str(steep)}
-    llm = make_llm(speculative_config=spec_config(CAP), additional_config={"adaptive_spec": adaptive})
-    try:
-        got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
-        (snap,) = released_stats(llm)
-    finally:
-        close_llm(llm)
-    assert got == lossless_reference, first_mismatch(got, lossless_reference)
-    rounds = sum(snap["forwards_per_step"].values())
-    assert snap["gate_none_rounds"] > rounds / 2 and snap["workload"]["n_draft"] > 0, snap
+    snaps = {}
+    for skip in (True, False):
+        adaptive = {"policy": "confidence", "costs": str(steep), "skip_first_pass": skip}
+        llm = make_llm(speculative_config=spec_config(CAP), additional_config={"adaptive_spec": adaptive})
+        try:
+            got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])
+            (snaps[skip],) = released_stats(llm)
+        finally:
+            close_llm(llm)
+        assert got == lossless_reference, f"skip_first_pass {skip}: " + first_mismatch(got, lossless_reference)
+        snap = snaps[skip]
+        rounds = sum(snap["forwards_per_step"].values())
+        assert snap["gate_none_rounds"] > rounds / 2 and snap["workload"]["n_draft"] > 0, snap
+    # The draft model skipped the first pass of about every other round without drafts (a skipped round
+    # runs no forward), and the draft's KV cache stayed current: its probes drafted what they drafted with
+    # a first pass in every round, and the target accepted as many of them.
+    skipped = snaps[True]["forwards_per_step"].get(0, 0)
+    assert snaps[True]["gate_none_rounds"] / 3 < skipped <= snaps[True]["gate_none_rounds"] / 2 + 1, snaps[True]
+    assert 0 not in snaps[False]["forwards_per_step"]
+    counts = [{k: s["workload"][k] for k in ("n_draft", "n_accepted")} for s in snaps.values()]
+    assert counts[0] == counts[1], counts
 
 
 def test_a_block_read_at_once_is_cut_where_step_by_step_cuts_it(lossless_prompts):

@@ -83,6 +83,13 @@ def test_with_adaptive_spec_the_plugin_is_active(adaptive_llm):
             },
             "speculative_config.use_local_argmax_reduction=False (got True)",
         ),
+        (  # a skipped first pass loses the target's hidden states the next one would read
+            {
+                "speculative_config": vllm_run.spec_config(4, "eagle3"),
+                "additional_config": {"adaptive_spec": {"policy": "svip", "skip_first_pass": True}},
+            },
+            "adaptive_spec.skip_first_pass: true needs an independent draft model",
+        ),
     ],
 )
 def test_bad_config_fails_at_startup_with_one_clear_error(kwargs, needle):

@@ -245,3 +245,18 @@ def test_no_draft_verdict_on_hand_computed_costs_holds_then_probes():
     for _ in range(50):
         gate.end_round(ids, [2] * 10, [0, 0] + [2] * 8)
     assert gate.no_draft_round(32, 32)
+
+
+def test_no_draft_verdict_counts_the_first_pass_a_draft_model_skips():
+    """With skip_share s the round without drafts costs (1 - s) D + V(n): a draft model skips the first pass
+    of every other such round (s = 1/2). D = 1, V(x) = 2 + 0.5 x, 32 rows: no draft when
+    1120 >= (32 + 32 a) (0.5 + 18), i.e. a <= 0.892 (against a <= 0.842 with s = 0). At a = 0.87 the
+    first pass decides the verdict."""
+    ids = [f"r{i}" for i in range(100)]
+    gates = [BatchGate(COSTS), BatchGate(COSTS)]
+    for gate in gates:
+        for _ in range(50):
+            gate.end_round(ids, [2] * 100, [1] * 87 + [0] * 13)
+        assert abs(gate._first[0] / gate._first[1] - 0.87) < 0.002
+    assert not gates[0].no_draft_round(32, 32, skip_share=0.0)
+    assert gates[1].no_draft_round(32, 32, skip_share=0.5)

@@ -74,6 +74,16 @@ def test_fixed_policy_with_k_drafts_k_under_the_cap():
             "adaptive_spec.tail_gate: true needs context_tail above 0 and batch_aware true (it cuts the tail on the "
             "batch gate's cost curves; context_tail is 4, batch_aware False)",
         ),
+        ({"policy": "copy", "skip_first_pass": 1}, "adaptive_spec.skip_first_pass: expected true or false, got 1"),
+        (
+            {"policy": "fixed", "skip_first_pass": True},
+            "adaptive_spec.skip_first_pass: true needs batch_aware true (it skips the first pass of rounds the "
+            "batch gate verifies nothing in; batch_aware is false for policy 'fixed')",
+        ),
+        (
+            {"policy": "pacer", "skip_first_pass": True},
+            "adaptive_spec.skip_first_pass: true does not combine with policy 'pacer' (it reads every round's first",
+        ),
         ("fixed", "adaptive_spec: expected a mapping"),
         ([], "adaptive_spec: expected a mapping"),
     ],

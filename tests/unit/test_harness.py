@@ -314,6 +314,9 @@ def test_batched_plan_times_the_eagle3_tuned_rules_and_fixed_k_to_4():
     assert tails == {
         "copy 0.7, context tail 4": tail | {"tail_gate": True},
         "copy 0.7, context tail 4, no tail gate": tail | {"tail_gate": False},
+        # a round the gate verifies no draft in runs the first pass and verifies tails, as before 2026-12-07
+        "copy 0.7, context tail 4, no tail gate, first pass every round": tail
+        | {"tail_gate": False, "skip_first_pass": False},
         "copy 0.7, context tail 4, online costs": tail | {"tail_gate": True, "costs": "online"},
         "copy 0.7, context tail 4, no tail gate, online costs": tail | {"tail_gate": False, "costs": "online"},
     }

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 class AdaptiveDraftLoop:
     """The shared loop; mixed in front of a vLLM `SpecDecodeBaseProposer` subclass."""
 
+    skips_first_pass = False  # its first pass re-reads every verified token (a draft model; see __init__)
+
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any, cfg: AdaptiveSpecConfig):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         unsupported = {
@@ -109,6 +111,17 @@ class AdaptiveDraftLoop:
             self.stats.clock = Clock()
             self.stats.clock.watch_gc()
             self.policy = TimedPolicy(self.policy, self.stats.clock, self._sync if device.type == "cuda" else None)
+        # A round the gate verifies nothing in (no draft, no tail) needs the draft's first pass only to
+        # keep the draft's KV cache current; a draft model's next first pass re-reads the verified token
+        # anyway, so it skips every other such round (_first_pass_skippable). 1/2: the share it skips.
+        if cfg.skip_first_pass and not self.skips_first_pass:
+            raise ConfigError(
+                "adaptive_spec.skip_first_pass: true needs an independent draft model (method draft_model); "
+                "this drafter reads the target's hidden states, which a skipped round does not keep"
+            )
+        skip = self.skips_first_pass and cfg.skip_first_pass is not False and self.gate is not None
+        self._skip_share = 0.5 if skip and not self.policy.observes_context else 0.0
+        self._skipped: set[str] = set()  # requests whose last round skipped its first pass
         self._valid_counts: torch.Tensor | None = None  # [B] tokens each request generated this step
         self._verified_drafts: list[int] | None = None  # drafts each request had verified this step
         self._last_round: tuple[set[str], float] | None = None  # the last round's requests and its end time
@@ -163,6 +176,7 @@ class AdaptiveDraftLoop:
         for req_id in finished:
             self.stats.finish(req_id)
         for req_id in [*finished, *preempted]:
+            self._skipped.discard(req_id)
             self.policy.forget(req_id)
             if self.tail is not None:
                 self.tail.forget(req_id)
@@ -290,15 +304,26 @@ class AdaptiveDraftLoop:
             one = max(1, self.min_drafts)
             limits = [min(n, one) if self.tail.predicts(r) else n for r, n in zip(req_ids, limits)]
         gate = self.gate if batch >= self.policy.gate_min_rows else None
+        quiet = False  # the round verifies nothing: no draft, no tail
         if gate is not None:
             with self._timed():
-                none = self.min_drafts == 0 and gate.no_draft_round(batch, sum(n > 0 for n in limits))
+                drafting = sum(n > 0 for n in limits)
+                none = self.min_drafts == 0 and gate.no_draft_round(batch, drafting, self._skip_share)
                 if self._tp_group is not None:  # every rank takes rank 0's verdict (measured costs are its own)
                     none = bool(self._tp_group.broadcast(torch.tensor([int(none)], device=self.device), src=0).item())
                 if none:  # no draft pays for this batch: the first pass only (it reads the verified tokens)
                     gate, limits = None, [0] * batch
+                    quiet = self._skip_share > 0
                 elif gate.one_step_round(batch):  # the gate's recent verdict: one step, no gate work
                     gate, limits = None, [min(n, max(1, self.min_drafts)) for n in limits]
+        if quiet:
+            rooms = [0] * batch  # ... and no tail: the next round's first pass can be skipped
+            if self._first_pass_skippable(req_ids, generated, common_attn_metadata):
+                self._skipped.update(req_ids)
+                self.stats.record_proposal([0] * batch, 0)
+                self._meter_round(req_ids, None, 0)
+                return self._append_tail(req_ids, [[] for _ in range(batch)], rooms, 0)
+        self._skipped.difference_update(req_ids)
 
         # First pass: the draft reads the verified tokens; its last position per row drafts token 0.
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
@@ -471,6 +496,23 @@ class AdaptiveDraftLoop:
         # (a round whose later forwards computed fewer rows says nothing about a step of the whole batch)
         self._meter_round(req_ids, steps_start if rows is None or rows.index is None else None, forwards)
         return self._append_tail(req_ids, [row[:n] for row, n in zip(drafts, lengths)], rooms, forwards)
+
+    def _first_pass_skippable(self, req_ids: list[str], generated: list[int], cad: Any) -> bool:
+        """Whether this round's first pass may be skipped: the draft's KV cache already holds every token the
+        target verified this round, and the next round's first pass reads the token sampled now (it reads
+        the tokens the target verifies then, which start with it). So every row verified exactly one token
+        (no draft, no prefill) that is an output token (a prompt token there may be one of a chunked prefill,
+        whose first pass wrote a placeholder at its position), sampled one, and its last round ran the first
+        pass that read that token."""
+        batch = len(req_ids)
+        qsl = cad.query_start_loc_cpu
+        if int(qsl[batch]) - int(qsl[0]) != batch or any(g != 1 for g in generated):
+            return False
+        for req_id in req_ids:
+            state = self.runner.requests.get(req_id)
+            if req_id in self._skipped or state is None or not state.output_token_ids:
+                return False
+        return True
 
     def _append_tail(
         self, req_ids: list[str], drafts: list[list[int]], rooms: list[int], forwards: int
@@ -733,6 +775,8 @@ def _account(
 
 class AdaptiveDraftModelProposer(AdaptiveDraftLoop, DraftModelProposer):
     """method "draft_model": an independent draft LM; everything as vLLM's."""
+
+    skips_first_pass = True  # its first pass re-reads the verified tokens (no hidden states of the target)
 
 
 class _FusedFeatures:

@@ -128,14 +128,17 @@ class BatchGate:
         self._probe = False  # the round after a no-draft hold drafts, to keep measuring what drafting gives
         self.none_rounds = 0  # rounds that verified no draft on the gate's verdict (statistics)
 
-    def no_draft_round(self, n: int, drafting: int) -> bool:
+    def no_draft_round(self, n: int, drafting: int, skip_share: float = 0.0) -> bool:
         """Before a round of n rows, `drafting` of which would draft: True when it verifies no draft at
         all, because even one draft a row costs more than it adds for the batch. Decided from earlier
         rounds only (the first drafts' acceptance rate a, counted from verification, and the cost
         curves), never from this round's drafts, so it drops nothing a draft revealed (ALGORITHMS.md):
 
-            n (D(n) + V(n + m)) >= (n + m a) (D(n) + V(n))     (m = drafting; D(n) paid either way:
-                                                                 the first pass reads the verified tokens)
+            n (D(n) + V(n + m)) >= (n + m a) ((1 - s) D(n) + V(n))
+
+        (m = drafting; D(n) the first pass, which reads the verified tokens and draws the first drafts;
+        s = skip_share, the share of rounds without drafts whose first pass the drafter skips: 0 where
+        it runs every round, 1/2 for a draft model, which skips every other one, `skip_first_pass`.)
 
         A verdict holds for HOLD_ROUNDS rounds of at least as many rows; the round after them drafts as
         usual, so the rate and (with `online` costs) the cost of a pass with drafts keep being measured."""
@@ -149,7 +152,7 @@ class BatchGate:
         a = self._first[0] / self._first[1]
         verify = self.costs.verify_list(n + drafting)  # [n + drafting + 1]
         draft = self.costs.draft(n)
-        if n * (draft + verify[n + drafting]) < (n + drafting * a) * (draft + verify[n]):
+        if n * (draft + verify[n + drafting]) < (n + drafting * a) * ((1 - skip_share) * draft + verify[n]):
             return False
         self._none.start(n)
         self.none_rounds += 1
