@@ -8,6 +8,8 @@ max_tokens of 1. Every greedy output must equal the target alone.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.paths import load_prompts
@@ -40,12 +42,22 @@ def work(ref_llm):
     return prompts, asked, greedy(ref_llm, prompts, allowed)
 
 
-def test_preemption_prefix_cache_chunked_prefill_model_length(work):
+# A pass costs 10 ms a token (compute-bound): the batch gate verifies no draft in most rounds, and the draft
+# model skips every other such round's first pass (skip_first_pass) among preemptions, chunks and prefix hits.
+STEEP = {"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}
+
+
+@pytest.mark.parametrize("steep", [False, True], ids=["svip", "svip-no-draft-rounds"])
+def test_preemption_prefix_cache_chunked_prefill_model_length(work, steep, tmp_path):
 
     prompts, asked, want = work
+    adaptive = {"policy": "svip", "threshold": 0.8}
+    if steep:
+        (tmp_path / "steep.json").write_text(json.dumps(STEEP))
+        adaptive["costs"] = str(tmp_path / "steep.json")
     llm = make_llm(
         speculative_config=spec_config(8),
-        additional_config={"adaptive_spec": {"policy": "svip", "threshold": 0.8}},
+        additional_config={"adaptive_spec": adaptive},
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=16,
         enable_prefix_caching=True,
@@ -65,3 +77,5 @@ def test_preemption_prefix_cache_chunked_prefill_model_length(work):
     assert prefix_hits > 0
     assert snap["requests"] == {} and snap["tracked"] == 0
     assert max(int(k) for k in snap["drafted_len_hist"]) <= 8
+    if steep:  # rounds without a draft forward happened here
+        assert snap["gate_none_rounds"] > 0 and snap["forwards_per_step"].get(0, 0) > 0, snap
