@@ -88,7 +88,7 @@ def test_with_adaptive_spec_the_plugin_is_active(adaptive_llm):
                 "speculative_config": vllm_run.spec_config(4, "eagle3"),
                 "additional_config": {"adaptive_spec": {"policy": "svip", "skip_first_pass": True}},
             },
-            "adaptive_spec.skip_first_pass: true needs an independent draft model",
+            "adaptive_spec.skip_first_pass: true needs speculative_config.method='draft_model', got 'eagle3'",
         ),
     ],
 )

@@ -127,6 +127,11 @@ def check_engine_config(vllm_config: Any) -> AdaptiveSpecConfig | None:
         cfg = _off_here(
             vllm_config, cfg, field, f"adaptive_spec.{field}: true does not combine with this engine: {why}"
         )
+    if cfg.skip_first_pass and method != "draft_model":
+        raise ConfigError(
+            f"adaptive_spec.skip_first_pass: true needs speculative_config.method='draft_model', got {method!r} "
+            "(this drafter's first pass reads the target's hidden states, which a skipped round does not keep)"
+        )
     for field in ("min_drafts", "context_tail"):
         value = getattr(cfg, field)
         if value and value > spec.num_speculative_tokens:

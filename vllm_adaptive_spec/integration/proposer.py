@@ -114,11 +114,7 @@ class AdaptiveDraftLoop:
         # A round the gate verifies nothing in (no draft, no tail) needs the draft's first pass only to
         # keep the draft's KV cache current; a draft model's next first pass re-reads the verified token
         # anyway, so it skips every other such round (_first_pass_skippable). 1/2: the share it skips.
-        if cfg.skip_first_pass and not self.skips_first_pass:
-            raise ConfigError(
-                "adaptive_spec.skip_first_pass: true needs an independent draft model (method draft_model); "
-                "this drafter reads the target's hidden states, which a skipped round does not keep"
-            )
+        # (hooks.check_engine_config refuses an explicit true for other drafters)
         skip = self.skips_first_pass and cfg.skip_first_pass is not False and self.gate is not None
         self._skip_share = 0.5 if skip and not self.policy.observes_context else 0.0
         self._skipped: set[str] = set()  # requests whose last round skipped its first pass
