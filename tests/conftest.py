@@ -36,6 +36,20 @@ N_LOSSLESS = 50
 # Mixed lengths in one batch: requests finish at different steps, and some
 # have fewer tokens left than the cap.
 MIXED_MAX_TOKENS = [(3, 17, 40, 64, 1)[i % 5] for i in range(N_LOSSLESS)]
+# Cost curves on which a pass costs 10 ms a token (compute-bound): the batch gate verifies no draft in most
+# rounds (policies/batch_gate.py: no_draft_round) and the tail gate cuts every tail.
+STEEP_COSTS = {"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}
+
+
+def steep_costs(tmp_path) -> str:
+    """A cost file (adaptive_spec.costs) of STEEP_COSTS under tmp_path; its path."""
+    import json
+
+    path = tmp_path / "steep.json"
+    path.write_text(json.dumps(STEEP_COSTS))
+    return str(path)
+
+
 TRAINING_FREE_POLICIES = ["adaedl", "confidence", "copy", "fixed", "heuristic", "svip", "vllm_av"]
 
 

@@ -20,6 +20,7 @@ from tests.conftest import (
     released_stats,
     settings_outputs,
     spec_config,
+    steep_costs,
 )
 from vllm_adaptive_spec.config import BASELINES
 from vllm_adaptive_spec.policies.costs import DEFAULT_COSTS, load_costs
@@ -161,11 +162,10 @@ def test_the_gate_verifies_no_draft_where_verification_is_compute_bound(tmp_path
     at any acceptance below 0.95 (policies/batch_gate.py: no_draft_round): the gate verifies no draft in
     most rounds and drafts one round after each hold (its probe); greedy output stays the target's, with
     the draft model's first pass skipped in every other such round (skip_first_pass) and without."""
-    steep = tmp_path / "steep.json"
-    steep.write_text(json.dumps({"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}))
+    steep = steep_costs(tmp_path)
     snaps = {}
     for skip in (True, False):
-        adaptive = {"policy": "confidence", "costs": str(steep), "skip_first_pass": skip}
+        adaptive = {"policy": "confidence", "costs": steep, "skip_first_pass": skip}
         llm = make_llm(speculative_config=spec_config(CAP), additional_config={"adaptive_spec": adaptive})
         try:
             got = greedy(llm, lossless_prompts, MIXED_MAX_TOKENS[: len(lossless_prompts)])

@@ -18,6 +18,7 @@ from tests.conftest import (
     lossless_stats,
     make_llm,
     released_stats,
+    steep_costs,
 )
 
 pytestmark = pytest.mark.e2e
@@ -56,13 +57,10 @@ def test_the_tail_gate_cuts_tails_that_cost_more_than_they_add(tmp_path, lossles
     acceptance pays for its verification (policies/tail.py: TailGate). On curves where every verified
     token costs as much as a pass over one, none does: every tail is cut, and output stays the target's;
     with `tail_gate` off the same engine appends them."""
-    import json
-
-    steep = tmp_path / "steep.json"
-    steep.write_text(json.dumps({"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}))
+    steep = steep_costs(tmp_path)
     tails = {}
     for gated in (True, False):
-        cfg = {"policy": "confidence", "context_tail": TAIL, "costs": str(steep), "tail_gate": gated}
+        cfg = {"policy": "confidence", "context_tail": TAIL, "costs": steep, "tail_gate": gated}
         snap = lossless_stats(spec_config(K, "draft_model"), cfg, lossless_prompts, lossless_reference)
         tails[gated] = snap["tail_tokens"], snap["tail_cut"]
     # gated: everything offered was cut (and counted as cut); ungated: appended, nothing counted as cut

@@ -8,12 +8,10 @@ max_tokens of 1. Every greedy output must equal the target alone.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from benchmarks.paths import load_prompts
-from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config
+from tests.conftest import close_llm, first_mismatch, greedy, make_llm, released_stats, spec_config, steep_costs
 
 pytestmark = pytest.mark.e2e
 
@@ -42,19 +40,15 @@ def work(ref_llm):
     return prompts, asked, greedy(ref_llm, prompts, allowed)
 
 
-# A pass costs 10 ms a token (compute-bound): the batch gate verifies no draft in most rounds, and the draft
-# model skips every other such round's first pass (skip_first_pass) among preemptions, chunks and prefix hits.
-STEEP = {"draft_step_ms": [[1, 1.0], [64, 1.0]], "verify_ms": [[1, 10.0], [512, 5120.0]]}
-
-
+# On STEEP_COSTS the batch gate verifies no draft in most rounds, and the draft model skips every other such
+# round's first pass (skip_first_pass) among preemptions, chunks and prefix hits.
 @pytest.mark.parametrize("steep", [False, True], ids=["svip", "svip-no-draft-rounds"])
 def test_preemption_prefix_cache_chunked_prefill_model_length(work, steep, tmp_path):
 
     prompts, asked, want = work
     adaptive = {"policy": "svip", "threshold": 0.8}
     if steep:
-        (tmp_path / "steep.json").write_text(json.dumps(STEEP))
-        adaptive["costs"] = str(tmp_path / "steep.json")
+        adaptive["costs"] = steep_costs(tmp_path)
     llm = make_llm(
         speculative_config=spec_config(8),
         additional_config={"adaptive_spec": adaptive},

@@ -316,10 +316,9 @@ class AdaptiveDraftLoop:
             rooms = [0] * batch  # ... and no tail: the next round's first pass can be skipped
             if self._first_pass_skippable(req_ids, generated, common_attn_metadata):
                 self._skipped.update(req_ids)
-                self.stats.record_proposal([0] * batch, 0)
-                self._meter_round(req_ids, None, 0)
-                return self._append_tail(req_ids, [[] for _ in range(batch)], rooms, 0)
-        self._skipped.difference_update(req_ids)
+                return self._no_drafts(req_ids, rooms, forwards=0)
+        if self._skipped:
+            self._skipped.difference_update(req_ids)
 
         # First pass: the draft reads the verified tokens; its last position per row drafts token 0.
         num_tokens, sample_idx, cad = self.set_inputs_first_pass(
@@ -346,9 +345,7 @@ class AdaptiveDraftLoop:
         if self.policy.observes_context:
             self._observe_context(req_ids, hidden, cad, num_rejected_tokens_gpu)
         if cap == 0 or max(limits) == 0:
-            self.stats.record_proposal([0] * batch, forwards)
-            self._meter_round(req_ids, None, forwards)
-            return self._append_tail(req_ids, [[] for _ in range(batch)], rooms, forwards)
+            return self._no_drafts(req_ids, rooms, forwards)
 
         # A parallel drafter (DFlash) drafted the whole block in the first pass: its step t reads
         # block position t, no forward; the loop and the policy's stops are the same.
@@ -492,6 +489,13 @@ class AdaptiveDraftLoop:
         # (a round whose later forwards computed fewer rows says nothing about a step of the whole batch)
         self._meter_round(req_ids, steps_start if rows is None or rows.index is None else None, forwards)
         return self._append_tail(req_ids, [row[:n] for row, n in zip(drafts, lengths)], rooms, forwards)
+
+    def _no_drafts(self, req_ids: list[str], rooms: list[int], forwards: int) -> list[list[int]]:
+        """A round that drafts nothing after its `forwards` draft forwards (0: the first pass skipped): each row
+        gets only the tail its context predicts, room allowing."""
+        self.stats.record_proposal([0] * len(req_ids), forwards)
+        self._meter_round(req_ids, None, forwards)
+        return self._append_tail(req_ids, [[] for _ in req_ids], rooms, forwards)
 
     def _first_pass_skippable(self, req_ids: list[str], generated: list[int], cad: Any) -> bool:
         """Whether this round's first pass may be skipped: the draft's KV cache already holds every token the
