@@ -23,7 +23,7 @@ WORKLOADS = ("code_heldout", "prose_heldout")
 FIXED_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 CAP = 16  # cap K of every adaptive policy
 TAILS = (4, 8, 15)  # the regime's context-tail rows (within the cap 16)
-TAIL_FLOORS = ((4, 2), (4, 3), (2, 2))  # (context_tail, min_drafts) of the regime's head rows with both
+TAIL_FLOORS = ((4, 2), (4, 3), (4, 4), (2, 2))  # (context_tail, min_drafts) of the regime's head rows with both
 CAPPED_TAILS = ((4, 0, 4), (4, 2, 4), (4, 3, 4), (4, 2, 5))  # (context_tail, min_drafts, cap K) under a low cap
 NGRAM_KS = (4, 8, 16)  # vLLM's prompt lookup (method "ngram", n-grams of 2-4 tokens: benchmarks.vllm_run)
 VERIFY_CURVE_KS = (1, 2, 3, 4, 6, 8, 12)  # the regime's "plugin fixed K=k under cap 16" rows

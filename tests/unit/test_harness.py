@@ -257,7 +257,7 @@ def test_eagle3_rows_and_their_regime_variant():
     gated_tails |= {f"{n}, {v}" for n in gated_tails for v in ("no tail gate", "online costs")}
     expected = {c.name for c in counts if c.sweep is None or c in tuned} | gated | capped | floors | tails
     expected |= gated_tails
-    pairs = ((4, 2), (4, 3), (2, 2))  # ... and with both: (context_tail, min_drafts)
+    pairs = ((4, 2), (4, 3), (4, 4), (2, 2))  # ... and with both: (context_tail, min_drafts)
     tail_floors = {f"{c.name}, context tail {m}, min {n} drafts": (m, n) for c in tuned for m, n in pairs}
     expected |= set(tail_floors)
     capped_tails = {  # ... and under a low cap: (context_tail, min_drafts, cap K)
